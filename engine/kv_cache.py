@@ -1,0 +1,194 @@
+"""A preallocated per-layer KV cache for a batch of sequences.
+
+Layout per layer: keys and values [B, Hkv, S, D] where S is the capacity in slots. Row b holds
+`lengths[b]` committed slots at [0, lengths[b]). Slots past that are scratch: a forward writes
+its new tokens' K/V there and attends to them, and `commit(n)` makes the first n of them
+permanent. That one rule serves every decoding loop we have:
+
+- AR decoding commits every token it runs;
+- CDLM runs a block of masked tokens repeatedly without committing (each pass overwrites the
+  same scratch slots), then commits the block once its tokens are final;
+- Fast-dLLM-style decoding resets the cache and refreshes the prefix at every block start.
+
+Physical slots and logical positions are tracked apart: `logical[b]` is the RoPE position the
+next token of row b gets. They differ once a prefix is replaced by a compacted segment
+(Attention Matching): t slots then stand for T > t tokens, and each compacted slot carries an
+additive attention bias (beta) per KV head, kept in `biases`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class KVCache:
+    keys: list[Tensor]  # per layer [B, Hkv, S, D]
+    values: list[Tensor]  # per layer [B, Hkv, S, D]
+    lengths: list[int]  # committed physical slots per row
+    logical: list[int]  # logical length per row (RoPE position of the next token)
+    # Per layer [B, Hkv, S] fp32 additive key bias; None until a compacted segment exists.
+    biases: list[Tensor] | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        return cls(
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)],
+            lengths=[0] * batch,
+            logical=[0] * batch,
+        )
+
+    # ---- shape ---------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes the committed slots occupy (one row, or all rows)."""
+        k = self.keys[0]
+        per_slot = 2 * k.shape[1] * k.shape[3] * k.element_size() * self.num_layers
+        if self.biases is not None:
+            per_slot += self.biases[0].shape[1] * self.biases[0].element_size() * self.num_layers
+        rows = self.lengths if row is None else [self.lengths[row]]
+        return per_slot * sum(rows)
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow every layer's buffers (doubling) so that `needed` slots fit."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+
+        def grow(t: Tensor) -> Tensor:
+            pad_shape = list(t.shape)
+            pad_shape[2] = new_cap - t.shape[2]
+            return torch.cat([t, t.new_zeros(pad_shape)], dim=2)
+
+        self.keys = [grow(t) for t in self.keys]
+        self.values = [grow(t) for t in self.values]
+        if self.biases is not None:
+            self.biases = [grow(t) for t in self.biases]
+
+    # ---- the forward pass ----------------------------------------------------------------
+    def write(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Write Q new tokens' K/V (k_new, v_new [B, Hkv, Q, D]) to each row's scratch slots
+        [lengths[b], lengths[b] + Q) and return the key/value views attention reads:
+        [B, Hkv, max(lengths) + Q, D]."""
+        q_len = k_new.shape[2]
+        k_buf, v_buf = self.keys[layer], self.values[layer]
+        first = self.lengths[0]
+        if all(n == first for n in self.lengths):
+            k_buf[:, :, first : first + q_len] = k_new
+            v_buf[:, :, first : first + q_len] = v_new
+            end = first + q_len
+        else:
+            rows, slots = self._scatter_index(q_len, k_new.device)
+            # Advanced indices around a slice put the indexed dims first: [B, Q, Hkv, D].
+            k_buf[rows, :, slots] = k_new.transpose(1, 2)
+            v_buf[rows, :, slots] = v_new.transpose(1, 2)
+            end = max(self.lengths) + q_len
+        return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def _scatter_index(self, q_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        starts = torch.tensor(self.lengths, device=device).view(-1, 1)  # [B, 1]
+        slots = starts + torch.arange(q_len, device=device).view(1, -1)  # [B, Q]
+        rows = torch.arange(self.batch, device=device).view(-1, 1).expand_as(slots)
+        return rows, slots
+
+    def key_bias(self, layer: int, key_len: int) -> Tensor | None:
+        """[B, Hkv, key_len] additive bias for this layer's keys, or None if no row has any."""
+        if self.biases is None:
+            return None
+        return self.biases[layer][:, :, :key_len]
+
+    def commit(self, counts: int | list[int]) -> None:
+        """Make the first counts[b] scratch slots of each row permanent."""
+        if isinstance(counts, int):
+            counts = [counts] * self.batch
+        for b, n in enumerate(counts):
+            if n < 0:
+                raise ValueError("cannot commit a negative number of slots")
+            self.lengths[b] += n
+            self.logical[b] += n
+
+    def next_positions(self, q_len: int, device: torch.device) -> Tensor:
+        """[B, Q] RoPE positions of Q new tokens appended to each row."""
+        start = torch.tensor(self.logical, device=device).view(-1, 1)
+        return start + torch.arange(q_len, device=device).view(1, -1)
+
+    # ---- whole-sequence edits ------------------------------------------------------------
+    def reset(self, row: int, length: int = 0) -> None:
+        """Forget committed slots of one row past `length` (its logical length follows)."""
+        if length > self.lengths[row]:
+            raise ValueError("reset can only shorten a row")
+        dropped = self.lengths[row] - length
+        self.lengths[row] = length
+        self.logical[row] -= dropped
+        if self.biases is not None:
+            for bias in self.biases:
+                bias[row, :, length:] = 0
+
+    def read(self, row: int, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Committed K/V [Hkv, n, D] (and bias [Hkv, n] or None) of one row and layer."""
+        n = self.lengths[row]
+        bias = None if self.biases is None else self.biases[layer][row, :, :n]
+        return self.keys[layer][row, :, :n], self.values[layer][row, :, :n], bias
+
+    def replace_prefix(
+        self,
+        row: int,
+        num_slots: int,
+        keys: list[Tensor],
+        values: list[Tensor],
+        biases: list[Tensor],
+    ) -> None:
+        """Replace the first `num_slots` committed slots of `row` by a compacted segment.
+
+        keys/values: per layer [Hkv, t, D]; biases: per layer [Hkv, t] (beta). The slots after
+        the prefix move down to follow the segment; their K/V already carry their RoPE
+        positions, and the row's logical length is unchanged, so new tokens keep counting from
+        the original length.
+        """
+        length = self.lengths[row]
+        if not 0 < num_slots <= length:
+            raise ValueError(f"prefix of {num_slots} slots is not within the {length} committed")
+        t = keys[0].shape[1]
+        tail = length - num_slots
+        if self.biases is None:
+            b, h, s, _ = self.keys[0].shape
+            dev = self.keys[0].device
+            self.biases = [torch.zeros(b, h, s, device=dev) for _ in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            for buf, seg in (
+                (self.keys[layer], keys[layer]),
+                (self.values[layer], values[layer]),
+                (self.biases[layer], biases[layer]),
+            ):
+                # Clone the tail first: source and destination ranges may overlap.
+                rest = buf[row, :, num_slots:length].clone()
+                buf[row, :, :t] = seg.to(buf.dtype)
+                buf[row, :, t : t + tail] = rest
+            # Scratch slots must not inherit a bias from the old layout.
+            self.biases[layer][row, :, t + tail :] = 0
+        self.lengths[row] = t + tail

@@ -1,0 +1,164 @@
+"""Attention patterns as data, and the masks they become.
+
+A pattern says which key a query may see, in terms of the *logical* sequence index of both
+(their RoPE positions). Three patterns cover everything we serve:
+
+- causal: an AR model; key k is visible to query q iff k <= q.
+- bidirectional: a diffusion LM (Dream, LLaDA); everything is visible.
+- block_causal: a CDLM student; the sequence is cut into blocks of `block_size` starting at
+  `block_start` (everything before it -- the prompt -- is one block); a query sees its own
+  block fully and every earlier block.
+
+Keys already committed to a KV cache always lie in the past of every new query, so they are
+visible under every pattern; only the keys of the tokens in the current forward need the
+pattern. The mask built here is boolean; per-key additive biases (Attention Matching's beta on
+compacted slots) are folded in per layer by `with_key_bias`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+PatternKind = Literal["causal", "bidirectional", "block_causal"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPattern:
+    kind: PatternKind
+    block_size: int = 0
+    # Logical index where the first block of `block_size` starts: an int for the whole batch
+    # or an int64 tensor [B] per sequence (prompts of different lengths).
+    block_start: int | Tensor = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "block_causal" and self.block_size < 1:
+            raise ValueError("block_causal attention needs block_size >= 1")
+
+    @staticmethod
+    def causal() -> AttentionPattern:
+        return AttentionPattern("causal")
+
+    @staticmethod
+    def bidirectional() -> AttentionPattern:
+        return AttentionPattern("bidirectional")
+
+    @staticmethod
+    def block_causal(block_size: int, block_start: int | Tensor = 0) -> AttentionPattern:
+        return AttentionPattern("block_causal", block_size, block_start)
+
+    def block_index(self, pos: Tensor) -> Tensor:
+        """pos [B, N] -> block id [B, N]: 0 before block_start, then 1, 2, ... per block."""
+        start = self.block_start
+        if isinstance(start, Tensor):
+            start = start.to(pos.device).view(-1, 1)
+        rel = pos - start
+        return torch.where(rel < 0, 0, torch.div(rel, self.block_size, rounding_mode="floor") + 1)
+
+    def allowed(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """q_pos [B, Q], k_pos [B, K] -> bool [B, Q, K]: may query q see key k."""
+        if self.kind == "bidirectional":
+            return torch.ones(
+                q_pos.shape[0],
+                q_pos.shape[1],
+                k_pos.shape[1],
+                dtype=torch.bool,
+                device=q_pos.device,
+            )
+        if self.kind == "causal":
+            return k_pos[:, None, :] <= q_pos[:, :, None]
+        return self.block_index(k_pos)[:, None, :] <= self.block_index(q_pos)[:, :, None]
+
+
+@dataclass(slots=True)
+class AttentionMask:
+    """What every layer's SDPA call needs for one forward.
+
+    `visible` is None when every key in range is visible to every query (then `is_causal` may
+    ask SDPA for its own causal mask), else bool [B or 1, 1, Q, K].
+    """
+
+    visible: Tensor | None
+    is_causal: bool
+    key_len: int
+
+
+def build_mask(
+    pattern: AttentionPattern,
+    q_pos: Tensor,
+    cached_lens: list[int] | None,
+    valid: Tensor | None,
+) -> AttentionMask:
+    """Mask for Q new tokens (positions q_pos [B, Q]) attending to the cached slots of their row
+    plus the new tokens themselves.
+
+    Row b's cache holds cached_lens[b] committed slots; its new tokens are written to slots
+    [cached_lens[b], cached_lens[b] + Q). `valid` [B, Q] marks padding among the new tokens
+    (padding keys are hidden; every token still sees itself so no softmax row is empty).
+    """
+    batch, q_len = q_pos.shape
+    lens = cached_lens if cached_lens is not None else [0] * batch
+    uniform = all(n == lens[0] for n in lens)
+    key_len = max(lens) + q_len
+    if uniform and valid is None:
+        fast = _uniform_fast_path(pattern, lens[0], q_len, key_len)
+        if fast is not None:
+            return fast
+
+    device = q_pos.device
+    new_vis = pattern.allowed(q_pos, q_pos)  # [B, Q, Q]
+    if valid is not None:
+        new_vis = new_vis & valid[:, None, :]
+    new_vis = new_vis | torch.eye(q_len, dtype=torch.bool, device=device)
+    if uniform:
+        # One layout for the whole batch: cached slots are all visible, then the new block.
+        cached = torch.ones(batch, q_len, lens[0], dtype=torch.bool, device=device)
+        visible = torch.cat([cached, new_vis], dim=-1)
+        return AttentionMask(visible.unsqueeze(1), False, key_len)
+    # Rows differ in cache length: slot j of row b is cached if j < len_b, else it is new
+    # token j - len_b (if that is < Q), else unused.
+    slots = torch.arange(key_len, device=device)  # [K]
+    lens_t = torch.tensor(lens, device=device).view(batch, 1)  # [B, 1]
+    rel = slots.view(1, -1) - lens_t  # [B, K]
+    is_cached = rel < 0
+    is_new = (rel >= 0) & (rel < q_len)
+    gathered = new_vis.gather(2, rel.clamp(0, q_len - 1)[:, None, :].expand(batch, q_len, key_len))
+    visible = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [B, Q, K]
+    return AttentionMask(visible.unsqueeze(1), False, key_len)
+
+
+def _uniform_fast_path(
+    pattern: AttentionPattern, cached: int, q_len: int, key_len: int
+) -> AttentionMask | None:
+    if pattern.kind == "bidirectional" or q_len == 1:
+        # A single query (decode) sees every cached slot and itself under every pattern.
+        return AttentionMask(None, False, key_len)
+    if pattern.kind == "causal" and cached == 0:
+        return AttentionMask(None, True, key_len)
+    return None
+
+
+def with_key_bias(
+    mask: AttentionMask, bias: Tensor, q_len: int, num_heads: int, dtype: torch.dtype
+) -> Tensor:
+    """Fold per-key additive biases into a float mask for one layer.
+
+    bias [B, Hkv, K] (0 on ordinary slots, beta on compacted ones) -> float [B, H, Q, K] with
+    -inf where the boolean mask hides a key. The query heads of a GQA group share their KV
+    head's bias.
+    """
+    batch, kv_heads, key_len = bias.shape
+    group = num_heads // kv_heads
+    per_head = bias.to(dtype).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, K]
+    full = per_head.expand(batch, num_heads, q_len, key_len)
+    if mask.visible is not None:
+        return full.masked_fill(~mask.visible, float("-inf"))
+    if mask.is_causal:
+        causal = torch.ones(q_len, key_len, dtype=torch.bool, device=bias.device).tril(
+            key_len - q_len
+        )
+        return full.masked_fill(~causal, float("-inf"))
+    return full.contiguous()

@@ -1,0 +1,136 @@
+"""Read a GGUF file (llama.cpp's format) into an HF config dict and HF-named fp32 weights.
+
+Weights are dequantized with the `gguf` package. llama.cpp's converter permutes the q/k rows of
+Llama-architecture models into its interleaved RoPE layout; we undo that so the weights match
+the "rotate half" layout of the HF release.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader: GGUFReader) -> dict[str, Any]:
+    """An HF-style config.json dict from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"GGUF architecture {arch!r} not supported ({sorted(SUPPORTED_ARCHS)})")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise GGUFError("GGUF with rope_freqs (Llama-3.1 rope scaling) is not supported yet")
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    cfg: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHS[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    return cfg
+
+
+def _f32(value: float) -> float:
+    """GGUF stores these as float32: print 1e-05, not 9.999999747378752e-06."""
+    return float(f"{float(value):.7g}")
+
+
+def _hf_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if m is None or m.group(2) not in _BLOCK:
+        raise GGUFError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> two halves per head)."""
+    rows = w.shape[0]
+    # llama.cpp viewed each head's rows as [2, half] and stored them as [half, 2].
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor [out, in]) for every tensor, dequantized."""
+    permute = cfg["model_type"] == "llama"
+    for t in reader.tensors:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            arr = np.asarray(t.data, dtype=np.float32)
+        else:
+            arr = dequantize(t.data, t.tensor_type)
+        # GGUF lists dims fastest-first; numpy/torch want [out, in].
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        name = _hf_name(t.name)
+        if permute and name.endswith("self_attn.q_proj.weight"):
+            arr = _unpermute(arr, cfg["num_attention_heads"])
+        elif permute and name.endswith("self_attn.k_proj.weight"):
+            arr = _unpermute(arr, cfg["num_key_value_heads"])
+        yield name, torch.tensor(arr)  # a copy: the reader's arrays are read-only memmaps
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise GGUFError(f"cannot read GGUF {path}: {e}") from e

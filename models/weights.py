@@ -1,0 +1,164 @@
+"""Weight names: checkpoint formats <-> our native (fused) module names.
+
+Three layers of names:
+- checkpoint names: what a release's safetensors hold (HF Llama/Qwen/Dream names, or LLaDA's
+  `model.transformer.blocks.N.*`);
+- canonical names: the HF Llama/Qwen layout (`model.layers.N.self_attn.q_proj.weight`), which
+  every format maps onto one to one;
+- native names: our modules, with q/k/v and gate/up fused (`layers.N.attn.qkv_proj.weight`).
+
+`to_native` goes checkpoint -> native for loading; `to_checkpoint` goes back, so models we
+train can be saved in a real release's format and loaded by the same path as a download.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+
+from models.config import ModelConfig
+
+# LLaDA checkpoint suffix (under model.transformer.blocks.N.) -> canonical suffix.
+_LLADA_BLOCK = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_proj": "mlp.gate_proj",  # LLaDA's ff_proj is the gate (silu applied to it)
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ff_norm": "post_attention_layernorm",
+}
+_LLADA_TOP = {
+    "model.transformer.wte.weight": "model.embed_tokens.weight",
+    "model.transformer.ln_f.weight": "model.norm.weight",
+    "model.transformer.ff_out.weight": "lm_head.weight",
+}
+_LLADA_BLOCK_RE = re.compile(r"model\.transformer\.blocks\.(\d+)\.(\w+)\.(weight|bias)")
+_CANON_BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+# Canonical per-layer suffix -> native suffix, for the tensors that are not fused.
+_NATIVE_PLAIN = {
+    "self_attn.o_proj": "attn.o_proj",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.down_proj": "mlp.down_proj",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "mlp_norm",
+}
+_FUSED = {
+    "attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Tensors some checkpoints carry that the model recomputes (rotary tables).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def llada_to_canonical(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        if name in _LLADA_TOP:
+            out[_LLADA_TOP[name]] = t
+            continue
+        m = _LLADA_BLOCK_RE.fullmatch(name)
+        if m is None or m.group(2) not in _LLADA_BLOCK:
+            raise KeyError(f"unexpected LLaDA weight {name!r}")
+        out[f"model.layers.{m.group(1)}.{_LLADA_BLOCK[m.group(2)]}.{m.group(3)}"] = t
+    return out
+
+
+def canonical_to_llada(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    top = {v: k for k, v in _LLADA_TOP.items()}
+    block = {v: k for k, v in _LLADA_BLOCK.items()}
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        m = _CANON_BLOCK_RE.fullmatch(name)
+        if m is None or m.group(2) not in block:
+            raise KeyError(f"no LLaDA name for {name!r}")
+        out[f"model.transformer.blocks.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"] = t
+    return out
+
+
+def to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    sd = {k: v for k, v in sd.items() if not _IGNORED.fullmatch(k)}
+    return llada_to_canonical(sd) if cfg.weight_format == "llada" else sd
+
+
+def canonical_to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Rename and fuse; raises KeyError naming any tensor that is missing or left over."""
+    src = dict(sd)
+    out: dict[str, Tensor] = {}
+
+    def take(name: str) -> Tensor:
+        try:
+            return src.pop(name)
+        except KeyError:
+            raise KeyError(f"checkpoint lacks {name!r}") from None
+
+    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if cfg.tie_word_embeddings:
+        src.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        for canon, native in _NATIVE_PLAIN.items():
+            for kind in ("weight", "bias"):
+                if pre + f"{canon}.{kind}" in src:
+                    out[f"layers.{i}.{native}.{kind}"] = take(pre + f"{canon}.{kind}")
+        for native, parts in _FUSED.items():
+            out[f"layers.{i}.{native}.weight"] = torch.cat(
+                [take(pre + f"{p}.weight") for p in parts], dim=0
+            )
+            if pre + f"{parts[0]}.bias" in src:
+                out[f"layers.{i}.{native}.bias"] = torch.cat(
+                    [take(pre + f"{p}.bias") for p in parts], dim=0
+                )
+    if src:
+        raise KeyError(f"unexpected checkpoint tensors: {sorted(src)[:8]}")
+    return out
+
+
+def native_to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {
+        "model.embed_tokens.weight": sd["embed_tokens.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    q_out = cfg.num_heads * cfg.head_dim
+    kv_out = cfg.num_kv_heads * cfg.head_dim
+    split_sizes = {
+        "attn.qkv_proj": [q_out, kv_out, kv_out],
+        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        for canon, native in _NATIVE_PLAIN.items():
+            for kind in ("weight", "bias"):
+                if pre + f"{native}.{kind}" in sd:
+                    out[f"model.layers.{i}.{canon}.{kind}"] = sd[pre + f"{native}.{kind}"]
+        for native, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                if pre + f"{native}.{kind}" not in sd:
+                    continue
+                pieces = sd[pre + f"{native}.{kind}"].split(split_sizes[native], dim=0)
+                for part, piece in zip(parts, pieces, strict=True):
+                    out[f"model.layers.{i}.{part}.{kind}"] = piece.contiguous()
+    return out
+
+
+def to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    return canonical_to_native(to_canonical(sd, cfg), cfg)
+
+
+def to_checkpoint(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    canon = native_to_canonical(sd, cfg)
+    return canonical_to_llada(canon) if cfg.weight_format == "llada" else canon

@@ -1,0 +1,156 @@
+"""`cdlm-serve`: serve models over HTTP, or fetch the default model ahead of time."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from models.sources import DEFAULT_AR_MODEL, default_name, resolve
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"CDLM_SERVE_{name}", default)
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        # bf16 on GPUs; fp32 on CPUs, where bf16 matrix-vector products are not faster
+        # (measured on this project's AVX-512 machines) and fp32 keeps logits exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[choice]
+
+
+def parse_model_spec(text: str):
+    """NAME=SOURCE, or just SOURCE (served under the source's own name)."""
+    from server.app import ModelSpec
+
+    name, sep, source = text.partition("=")
+    if sep and name and "/" not in name:
+        return ModelSpec(name, source)
+    return ModelSpec(default_name(text, Path(text).expanduser()), text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cdlm-serve",
+        description="OpenAI-compatible server for CDLM diffusion decoding and "
+        "Attention Matching KV compaction.",
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="serve models over HTTP (the default command)")
+    serve.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]SOURCE",
+        help="a model to serve; repeat for several. SOURCE is a built-in name "
+        f"({DEFAULT_AR_MODEL}), a local HF folder, a .gguf file, a LoRA adapter folder or a hub "
+        "id; NAME is what clients put in `model`. Env: CDLM_SERVE_MODEL (comma-separated). "
+        f"Default: {DEFAULT_AR_MODEL}.",
+    )
+    serve.add_argument(
+        "--host",
+        default=_env("HOST", "127.0.0.1"),
+        help="address to bind (env CDLM_SERVE_HOST; default 127.0.0.1)",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=int(_env("PORT", "8000") or 8000),
+        help="port to bind (env CDLM_SERVE_PORT; default 8000)",
+    )
+    serve.add_argument(
+        "--device",
+        default=_env("DEVICE", "auto"),
+        help="cpu, cuda, cuda:N or auto (env CDLM_SERVE_DEVICE; default auto)",
+    )
+    serve.add_argument(
+        "--dtype",
+        default=_env("DTYPE", "auto"),
+        choices=["auto", *DTYPES],
+        help="weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU "
+        "(env CDLM_SERVE_DTYPE)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int(v) if (v := _env("MAX_MODEL_LEN")) else None,
+        help="cap on prompt + completion tokens (env CDLM_SERVE_MAX_MODEL_LEN; "
+        "default: the model's own context length)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(_env("MAX_QUEUE", "256") or 256),
+        help="requests allowed to wait per model before 429 (env CDLM_SERVE_MAX_QUEUE)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default=_env("LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="log level (env CDLM_SERVE_LOG_LEVEL)",
+    )
+
+    fetch = sub.add_parser("fetch", help="download and convert the built-in model(s) now")
+    fetch.add_argument(
+        "models",
+        nargs="*",
+        default=[DEFAULT_AR_MODEL],
+        help=f"built-in model names (default: {DEFAULT_AR_MODEL})",
+    )
+    return parser
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from server.app import ServerSettings, create_app
+
+    specs = args.model or (_env("MODEL") or DEFAULT_AR_MODEL).split(",")
+    device = pick_device(args.device)
+    settings = ServerSettings(
+        models=[parse_model_spec(s.strip()) for s in specs if s.strip()],
+        device=device,
+        dtype=pick_dtype(args.dtype, device),
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+    )
+    names = [m.name for m in settings.models]
+    if len(set(names)) != len(names):
+        sys.exit(f"cdlm-serve: two models would be served as the same name: {names}")
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]  # `cdlm-serve` alone serves the default model
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, getattr(args, "log_level", "info").upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "fetch":
+        for name in args.models:
+            print(resolve(name))
+    else:
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

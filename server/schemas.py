@@ -1,0 +1,104 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic, strict types)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions. Unknown fields are ignored, as OpenAI-compatible servers do;
+    known fields must have the right JSON type (a string is not a number)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list) and (len(v) == 0 or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cdlm-serve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny checkpoints, the real default model, and real server processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+import tiny_models
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_models.hf_tiny("llama", folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real default model, fetched and converted once (shared with the user's cache)."""
+    from models.fetch import ensure_model
+
+    return ensure_model()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> Iterator[str]:
+    """Start `cdlm-serve serve ARGS` on a free port; yield its base URL once /health is 200."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

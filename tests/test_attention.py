@@ -1,0 +1,191 @@
+"""Attention patterns, per-key biases, position offsets and the KV cache interface."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from models.attention import AttentionPattern
+from models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    hf = tiny_models.hf_tiny("llama", folder)
+    ours, _ = load_model(folder)
+    return hf, ours
+
+
+def _ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, tiny_models.VOCAB, (batch, n), generator=gen)
+
+
+def test_block_causal_pattern_definition():
+    pattern = AttentionPattern.block_causal(block_size=4, block_start=6)
+    pos = torch.arange(20).view(1, -1)
+    got = pattern.allowed(pos, pos)[0]
+
+    def block(i: int) -> int:
+        return 0 if i < 6 else 1 + (i - 6) // 4
+
+    want = torch.tensor([[block(k) <= block(q) for k in range(20)] for q in range(20)])
+    assert torch.equal(got, want)
+    # The prompt (before block_start) is one bidirectional block; answer blocks see it all.
+    assert got[0, 5] and not got[5, 6] and got[9, 6] and got[9, 9] and not got[9, 10]
+
+
+def test_per_row_block_start():
+    pattern = AttentionPattern.block_causal(2, torch.tensor([1, 3]))
+    pos = torch.arange(5).expand(2, 5)
+    got = pattern.allowed(pos, pos)
+    assert got[0, 0, 1].item() is False and got[1, 0, 2].item() is True
+
+
+def test_block_causal_forward_matches_hf_with_the_same_mask(llama_pair):
+    hf, ours = llama_pair
+    pattern = AttentionPattern.block_causal(block_size=8, block_start=10)
+    ids = _ids(42, batch=2)
+    pos = torch.arange(42).expand(2, 42)
+    mask = pattern.allowed(pos, pos)[:, None]  # [B, 1, Q, K]
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask).logits
+        got = ours.logits(ours(ids, pattern=pattern))
+    assert (expected - got).abs().max().item() <= 1e-4
+
+
+def test_block_by_block_with_cache_equals_full_recompute(llama_pair):
+    """The CDLM cache discipline: prefill the prompt, run a block without committing (its
+    scratch slots are overwritten each pass), commit it once final, move on."""
+    _, ours = llama_pair
+    prompt, block, n_blocks = 10, 8, 3
+    pattern = AttentionPattern.block_causal(block, prompt)
+    ids = _ids(prompt + block * n_blocks, seed=1)
+    with torch.no_grad():
+        full = ours.logits(ours(ids, pattern=pattern))
+        cache = ours.new_cache(1, 8)
+        ours(ids[:, :prompt], cache=cache, pattern=pattern)
+        for b in range(n_blocks):
+            sl = slice(prompt + b * block, prompt + (b + 1) * block)
+            scratch = torch.full((1, block), tiny_models.MASK_ID)
+            ours(scratch, cache=cache, pattern=pattern, commit=False)  # a "denoising" pass
+            assert cache.lengths == [prompt + b * block]
+            got = ours.logits(ours(ids[:, sl], cache=cache, pattern=pattern, commit=False))
+            assert (got - full[:, sl]).abs().max().item() <= 1e-4
+            ours(ids[:, sl], cache=cache, pattern=pattern, commit=block)
+        assert cache.lengths == cache.logical == [prompt + block * n_blocks]
+
+
+def test_position_offset_is_invisible_to_a_causal_model(llama_pair):
+    """RoPE scores depend on relative positions only, so shifting a whole sequence changes
+    nothing: this checks that per-row position offsets reach every layer."""
+    _, ours = llama_pair
+    ids = _ids(30, batch=2)
+    base = torch.arange(30).expand(2, 30)
+    offset = base + torch.tensor([[100], [7]])
+    with torch.no_grad():
+        a = ours.logits(ours(ids, positions=base))
+        b = ours.logits(ours(ids, positions=offset))
+        c = ours.logits(ours(ids, positions=base.flip(-1)))  # a scrambled order must differ
+    assert (a - b).abs().max().item() <= 1e-4
+    assert (a - c).abs().max().item() > 1e-2
+
+
+def _decode_one(model, cache, token: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(torch.tensor([[token]]), cache=cache))[0, -1]
+
+
+def test_key_bias_log2_equals_a_duplicated_key(llama_pair):
+    """beta = log 2 on a slot weighs it exactly like two copies of it."""
+    _, ours = llama_pair
+    ids = _ids(12, seed=3)
+    i, j = 3, 7  # slot j will become a copy of slot i
+    dup = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids, cache=dup)
+    comp = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids, cache=comp)
+    keys, values, biases = [], [], []
+    keep = [s for s in range(12) if s != j]
+    for layer in range(ours.config.num_layers):
+        dup.keys[layer][0, :, j] = dup.keys[layer][0, :, i]
+        dup.values[layer][0, :, j] = dup.values[layer][0, :, i]
+        k, v, _ = comp.read(0, layer)
+        keys.append(k[:, keep])
+        values.append(v[:, keep])
+        bias = torch.zeros(k.shape[0], len(keep))
+        bias[:, keep.index(i)] = torch.log(torch.tensor(2.0))
+        biases.append(bias)
+    comp.replace_prefix(0, 12, keys, values, biases)
+    assert comp.lengths == [11] and comp.logical == [12]
+    a = _decode_one(ours, dup, 42)
+    b = _decode_one(ours, comp, 42)
+    assert (a - b).abs().max().item() <= 1e-4
+    # Without the bias the duplicate's weight is lost and the answer changes.
+    for bias in comp.biases:
+        bias.zero_()
+    comp.reset(0, 11)
+    c = _decode_one(ours, comp, 42)
+    assert (a - c).abs().max().item() > 1e-3
+
+
+def test_replace_prefix_keeps_logical_positions(llama_pair):
+    """Compacting a prefix into itself (t = T, beta = 0) changes nothing, the tail moves
+    down, and the next token still gets position T."""
+    _, ours = llama_pair
+    ids = _ids(20, seed=4)
+    ref = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids, cache=ref)
+    cache = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids, cache=cache)
+    # "Compact" the first 12 slots into the 12 same slots with zero bias.
+    segs = [cache.read(0, layer) for layer in range(ours.config.num_layers)]
+    cache.replace_prefix(
+        0,
+        12,
+        [k[:, :12].clone() for k, _, _ in segs],
+        [v[:, :12].clone() for _, v, _ in segs],
+        [torch.zeros(k.shape[0], 12) for k, _, _ in segs],
+    )
+    assert cache.lengths == [20] and cache.logical == [20]
+    assert (_decode_one(ours, ref, 5) - _decode_one(ours, cache, 5)).abs().max().item() <= 1e-5
+    assert cache.next_positions(1, torch.device("cpu")).item() == 21
+
+    # A smaller segment: fewer physical slots, same logical length.
+    cache2 = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids, cache=cache2)
+    segs = [cache2.read(0, layer) for layer in range(ours.config.num_layers)]
+    cache2.replace_prefix(
+        0,
+        12,
+        [k[:, :4].clone() for k, _, _ in segs],
+        [v[:, :4].clone() for _, v, _ in segs],
+        [torch.zeros(k.shape[0], 4) for k, _, _ in segs],
+    )
+    assert cache2.lengths == [12] and cache2.logical == [20]
+    assert cache2.next_positions(1, torch.device("cpu")).item() == 20
+    k_tail, _, _ = cache2.read(0, 0)
+    assert torch.equal(k_tail[:, 4:], segs[0][0][:, 12:20])  # tail moved down intact
+
+
+def test_uncommitted_passes_leave_no_trace(llama_pair):
+    _, ours = llama_pair
+    ids = _ids(16, seed=5)
+    a, b = ours.new_cache(1, 32), ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(ids[:, :10], cache=a)
+        ours(ids[:, :10], cache=b)
+        for _ in range(3):
+            ours(_ids(6, seed=9), cache=b, commit=False)
+        ours(ids[:, 10:], cache=a)
+        ours(ids[:, 10:], cache=b)
+    assert a.lengths == b.lengths == [16]
+    for layer in range(ours.config.num_layers):
+        assert torch.equal(a.keys[layer][:, :, :16], b.keys[layer][:, :, :16])

