@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from models import kernels
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -34,7 +36,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] (int64)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return kernels.argmax(logits)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [B, V]
     if params.top_p < 1.0:
         probs = _top_p_filter(probs, params.top_p)

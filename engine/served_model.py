@@ -12,6 +12,7 @@ import torch
 
 from engine.ar_engine import AREngine
 from engine.worker import EngineWorker
+from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
 from models.sources import resolve
@@ -53,6 +54,8 @@ def load_served_model(
     max_queue: int = 256,
 ) -> ServedModel:
     started = time.perf_counter()
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        kernels.enable_cpu_kernels()  # compiled once per machine (~30 s), then cached
     path = resolve(spec)
     model, ckpt = load_model(path, device=device, dtype=dtype, resolve=resolve)
     if ckpt.config.is_diffusion:

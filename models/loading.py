@@ -104,7 +104,8 @@ def build_model(
         model = Transformer(ckpt.config, dtype=dtype)
     # assign=True adopts our tensors instead of copying into meta storage.
     model.load_state_dict(native, strict=True, assign=True)
-    return model.to(device).eval()
+    # Loaded for inference: training code turns gradients back on for what it trains.
+    return model.to(device).eval().requires_grad_(False)
 
 
 def load_model(

@@ -1,0 +1,458 @@
+// Fused bf16 ops for decoding a few tokens at a time on AVX512-BF16 CPUs.
+//
+// Each op has a PyTorch reference in models/kernels/__init__.py (used as the fallback and in the
+// tests); these exist because at decode sizes PyTorch's CPU dispatch and its bf16 matrix-vector
+// path cost more than the arithmetic.
+//
+// linear_bf16: y[M, N] = x[M, K] @ W[N, K]^T (+ bias). Decoding a few tokens at a time is bound by how fast the weights stream from memory. PyTorch's
+// bf16 matrix-vector path reaches about half of this machine's DRAM bandwidth; this kernel
+// reads each weight cache line once, multiplies it with all M activation rows using AVX512-BF16
+// dot products (fp32 accumulation), and prefetches the next block of rows into L2 so the memory
+// system always has requests in flight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetchRows = 4;  // prefetch distance in weight rows (one block ahead)
+
+template <int R, int M>
+inline void block_dot(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx,
+                      float out[M][R]) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t pf = kPrefetchRows * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    // The last chunk may be partial: masked loads read zeros past K.
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* p = w + r * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T1);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int R, int M>
+void rows(const uint16_t* w, const uint16_t* x, const uint16_t* bias, at::BFloat16* y,
+          int64_t N, int64_t K, int64_t begin, int64_t end) {
+  float out[M][R];
+  int64_t n = begin;
+  for (; n + R <= end; n += R) {
+    block_dot<R, M>(w + n * K, K, x, K, out);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        y[m * N + n + r] = at::BFloat16(out[m][r] + (bias ? bf16_to_float(bias[n + r]) : 0.f));
+  }
+  float one[M][1];
+  for (; n < end; ++n) {
+    block_dot<1, M>(w + n * K, K, x, K, one);
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = at::BFloat16(one[m][0] + (bias ? bf16_to_float(bias[n]) : 0.f));
+  }
+}
+
+template <int M>
+void run(const uint16_t* w, const uint16_t* x, const uint16_t* bias, at::BFloat16* y, int64_t N,
+         int64_t K) {
+  // Keep M * R accumulators within the 32 vector registers.
+  constexpr int R = M <= 4 ? 4 : 2;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    rows<R, M>(w, x, bias, y, N, K, begin, end);
+  });
+}
+
+}  // namespace
+
+// x: [M, K] bf16 contiguous, 1 <= M <= 8; weight: [N, K] bf16 contiguous; bias: [N] or empty.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bf16 only");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs only");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "1 <= M <= 8");
+  auto y = torch::empty({M, N}, x.options());
+  auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N &&
+                    bias->is_contiguous(),
+                "bias must be a contiguous bf16 [N] tensor");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  auto out = y.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: run<1>(w, xv, b, out, N, K); break;
+    case 2: run<2>(w, xv, b, out, N, K); break;
+    case 3: run<3>(w, xv, b, out, N, K); break;
+    case 4: run<4>(w, xv, b, out, N, K); break;
+    case 5: run<5>(w, xv, b, out, N, K); break;
+    case 6: run<6>(w, xv, b, out, N, K); break;
+    case 7: run<7>(w, xv, b, out, N, K); break;
+    default: run<8>(w, xv, b, out, N, K); break;
+  }
+  return y;
+}
+
+namespace {
+
+inline __m512 load_bf16(const uint16_t* p) {
+  // bf16 -> fp32 is a 16-bit left shift.
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+inline void store_bf16_masked(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, to_bf16(v));
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// One row of RMSNorm with HF's rounding order: normalize in fp32, round to bf16, then multiply
+// by the bf16 weight and round again.
+void norm_row(const uint16_t* x, const uint16_t* w, at::BFloat16* y, int64_t K, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = load_bf16_masked(x + k, tail_mask(K - k));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / K + eps));
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    const __m512 normed = _mm512_mul_ps(load_bf16_masked(x + k, m), inv);
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(to_bf16(normed)), 16));
+    store_bf16_masked(y + k, _mm512_mul_ps(rounded, load_bf16_masked(w + k, m)), m);
+  }
+}
+
+}  // namespace
+
+// y = RMSNorm(x) * w for x [M, K] bf16.
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "contiguous [M, K]");
+  auto y = torch::empty_like(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto yp = y.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) norm_row(xp + m * K, wp, yp + m * K, K, float(eps));
+  return y;
+}
+
+// h = x + r (rounded to bf16, as the unfused add would be), y = RMSNorm(h) * w. Returns {y, h}.
+std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w,
+                                             double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && w.is_contiguous(),
+              "contiguous [M, K]");
+  TORCH_CHECK(x.sizes() == r.sizes(), "x and residual differ in shape");
+  auto h = torch::empty_like(x);
+  auto y = torch::empty_like(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto rp = reinterpret_cast<const uint16_t*>(r.data_ptr<at::BFloat16>());
+  auto hp = h.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < M * K; i += 16) {
+    const __mmask16 m = tail_mask(M * K - i);
+    store_bf16_masked(hp + i, _mm512_add_ps(load_bf16_masked(xp + i, m),
+                                            load_bf16_masked(rp + i, m)), m);
+  }
+  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto hraw = reinterpret_cast<const uint16_t*>(hp);
+  auto yp = y.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) norm_row(hraw + m * K, wp, yp + m * K, K, float(eps));
+  return {y, h};
+}
+
+// gu [M, 2I] (gate then up) -> silu(gate) * up [M, I], in fp32, rounded once.
+torch::Tensor silu_mul_bf16(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "contiguous [M, 2I]");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  auto y = torch::empty({M, I}, gu.options());
+  auto gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
+  auto yp = y.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = gp + m * 2 * I;
+    const uint16_t* u = g + I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float gv = float(c10::bit_cast<at::BFloat16>(g[i]));
+      const float uv = float(c10::bit_cast<at::BFloat16>(u[i]));
+      yp[m * I + i] = at::BFloat16(gv / (1.0f + std::exp(-gv)) * uv);
+    }
+  }
+  return y;
+}
+
+// Rotate, in place, the first n_heads heads of each row of qkv [M, W] with "rotate half" RoPE;
+// cos/sin [M, D] bf16. Computed in fp32, rounded once.
+void rope_inplace_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
+                       int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "contiguous inputs");
+  const int64_t M = qkv.size(0), W = qkv.size(1), half = head_dim / 2;
+  TORCH_CHECK(n_heads * head_dim <= W && half % 16 == 0, "head_dim must be a multiple of 32");
+  TORCH_CHECK(cos.size(0) == M && sin.size(0) == M, "one cos/sin row per qkv row");
+  auto qp = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
+  auto cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  auto sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* c = cp + m * head_dim;
+    const uint16_t* s = sp + m * head_dim;
+    for (int64_t h = 0; h < n_heads; ++h) {
+      uint16_t* x = qp + m * W + h * head_dim;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 x1 = load_bf16(x + i), x2 = load_bf16(x + half + i);
+        // out1 = x1 cos1 - x2 sin1; out2 = x2 cos2 + x1 sin2
+        const __m512 o1 = _mm512_fnmadd_ps(x2, load_bf16(s + i), _mm512_mul_ps(x1, load_bf16(c + i)));
+        const __m512 o2 = _mm512_fmadd_ps(x1, load_bf16(s + half + i),
+                                          _mm512_mul_ps(x2, load_bf16(c + half + i)));
+        _mm256_storeu_si256((__m256i*)(x + i), to_bf16(o1));
+        _mm256_storeu_si256((__m256i*)(x + half + i), to_bf16(o2));
+      }
+    }
+  }
+}
+
+// One query per row against that row's cached keys. q [B, H, D] (heads contiguous, any row
+// stride); k/v [B, Hkv, S, D] bf16; lens[b] valid slots of row b; optional bias [B, Hkv, S]
+// fp32 added to the scores (Attention Matching's beta). GQA: query head h reads KV head
+// h / (H / Hkv). Returns [B, H * D] bf16. Scores and softmax in fp32.
+torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    std::vector<int64_t> lens, double scale,
+                                    c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, H, D], k/v [B, Hkv, S, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q heads must be contiguous");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && D % 32 == 0, "contiguous cache, D % 32");
+  TORCH_CHECK((int64_t)lens.size() == B && H % Hkv == 0, "one length per row; H % Hkv == 0");
+  for (auto L : lens) TORCH_CHECK(L >= 1 && L <= S, "lengths within the cache");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->size(2) == S, "bias [B, Hkv, S] fp32");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({B, H * D}, q.options());
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  auto vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto op = out.data_ptr<at::BFloat16>();
+  const int64_t group = H / Hkv, qstride = q.stride(0);
+  const float fscale = float(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, g = h / group, L = lens[b];
+      const uint16_t* qh = qp + b * qstride + h * D;
+      const uint16_t* kh = kp + (b * Hkv + g) * S * D;
+      const uint16_t* vh = vp + (b * Hkv + g) * S * D;
+      const float* bh_bias = bp ? bp + (b * Hkv + g) * S : nullptr;
+      p.resize(L);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d),
+                                 (__m512bh)_mm512_loadu_si512(kh + j * D + d));
+        p[j] = _mm512_reduce_add_ps(acc) * fscale + (bh_bias ? bh_bias[j] : 0.f);
+        mx = std::max(mx, p[j]);
+      }
+      float denom = 0.f;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        denom += p[j];
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / denom);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load_bf16(vh + j * D + d), acc);
+        _mm256_storeu_si256((__m256i*)(op + b * H * D + h * D + d), to_bf16(_mm512_mul_ps(acc, inv)));
+      }
+    }
+  });
+  return out;
+}
+
+// Row-wise argmax of [M, V] (first index on ties, like torch.argmax). NaN-free input assumed.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "[M, V]");
+  auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), V = xf.size(1);
+  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  const float* p = xf.data_ptr<float>();
+  auto o = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = p + m * V;
+    int64_t best = 0;
+    float bv = row[0];
+    for (int64_t i = 1; i < V; ++i)
+      if (row[i] > bv) {
+        bv = row[i];
+        best = i;
+      }
+    o[m] = best;
+  }
+  return out;
+}
+
+// ---- The whole decode step in one call ---------------------------------------------------
+//
+// Runs every layer for B rows of one new token each (B <= 8), against the rows' KV caches,
+// calling the kernels above directly: the same arithmetic as the Python path with the fused
+// ops, minus ~1,000 Python-level calls per token.
+namespace {
+
+struct LayerWeights {
+  torch::Tensor attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up_w,
+      gate_up_b, down_w, down_b;
+};
+
+torch::Tensor opt(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() ? *t : torch::Tensor();
+}
+
+c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
+  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
+              torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              double eps, double scale)
+      : final_norm_(final_norm), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
+        scale_(scale) {
+    for (auto& l : layers) {
+      TORCH_CHECK(l.size() == 12, "12 tensors per layer");
+      layers_.push_back({*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
+                         *l[8], opt(l[9]), *l[10], opt(l[11])});
+    }
+  }
+
+  // x [B, hidden] embedded tokens; keys/values per layer [B, Hkv, S, D]; lens[b] committed
+  // slots of row b (the new token goes to slot lens[b]); cos/sin [B, D]. Writes the new K/V,
+  // returns the final hidden states [B, hidden]. The caller commits one slot per row.
+  torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> keys,
+                        std::vector<torch::Tensor> values,
+                        c10::optional<std::vector<torch::Tensor>> biases,
+                        std::vector<int64_t> lens, torch::Tensor cos, torch::Tensor sin) {
+    const int64_t B = x.size(0), W = (H_ + 2 * Hkv_) * D_;
+    TORCH_CHECK((int64_t)keys.size() == (int64_t)layers_.size(), "one cache per layer");
+    std::vector<int64_t> attend(lens);
+    for (auto& n : attend) n += 1;
+    torch::Tensor residual, h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const LayerWeights& L = layers_[i];
+      if (i == 0) {
+        residual = x;
+        h = rms_norm_bf16(x, L.attn_norm, eps_);
+      } else {
+        auto hr = add_rms_norm_bf16(x, residual, L.attn_norm, eps_);
+        h = hr[0];
+        residual = hr[1];
+      }
+      torch::Tensor qkv = linear_bf16(h, L.qkv_w, maybe(L.qkv_b));  // [B, W]
+      if (L.q_norm.defined()) qk_norm(qkv, L.q_norm, L.k_norm);
+      rope_inplace_bf16(qkv, cos, sin, H_ + Hkv_, D_);
+      write_cache(qkv, keys[i], values[i], lens);
+      auto q = qkv.as_strided({B, H_, D_}, {W, D_, 1});
+      c10::optional<torch::Tensor> bias =
+          biases.has_value() ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt;
+      torch::Tensor attn = decode_attention_bf16(q, keys[i], values[i], attend, scale_, bias);
+      torch::Tensor o = linear_bf16(attn, L.o_w, maybe(L.o_b));
+      auto hr = add_rms_norm_bf16(o, residual, L.mlp_norm, eps_);
+      residual = hr[1];
+      torch::Tensor gu = linear_bf16(hr[0], L.gate_up_w, maybe(L.gate_up_b));
+      x = linear_bf16(silu_mul_bf16(gu), L.down_w, maybe(L.down_b));
+    }
+    return add_rms_norm_bf16(x, residual, final_norm_, eps_)[0];
+  }
+
+ private:
+  // Qwen3: RMSNorm over each q and k head before RoPE (HF rounding order), in place.
+  void qk_norm(torch::Tensor& qkv, const torch::Tensor& qw, const torch::Tensor& kw) {
+    const int64_t B = qkv.size(0), W = qkv.size(1);
+    auto p = qkv.data_ptr<at::BFloat16>();
+    auto qwp = reinterpret_cast<const uint16_t*>(qw.data_ptr<at::BFloat16>());
+    auto kwp = reinterpret_cast<const uint16_t*>(kw.data_ptr<at::BFloat16>());
+    std::vector<at::BFloat16> tmp(D_);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H_ + Hkv_; ++h) {
+        at::BFloat16* head = p + b * W + h * D_;
+        norm_row(reinterpret_cast<const uint16_t*>(head), h < H_ ? qwp : kwp, tmp.data(), D_,
+                 float(eps_));
+        std::memcpy(head, tmp.data(), D_ * sizeof(at::BFloat16));
+      }
+  }
+
+  // k/v of each row (heads H.. and H+Hkv.. of qkv) into slot lens[b] of its cache.
+  void write_cache(const torch::Tensor& qkv, torch::Tensor& k, torch::Tensor& v,
+                   const std::vector<int64_t>& lens) {
+    const int64_t B = qkv.size(0), W = qkv.size(1), S = k.size(2);
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "contiguous cache buffers");
+    auto src = qkv.data_ptr<at::BFloat16>();
+    auto kp = k.data_ptr<at::BFloat16>();
+    auto vp = v.data_ptr<at::BFloat16>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lens[b] < S, "cache full");
+      for (int64_t g = 0; g < Hkv_; ++g) {
+        const int64_t dst = ((b * Hkv_ + g) * S + lens[b]) * D_;
+        std::memcpy(kp + dst, src + b * W + (H_ + g) * D_, D_ * sizeof(at::BFloat16));
+        std::memcpy(vp + dst, src + b * W + (H_ + Hkv_ + g) * D_, D_ * sizeof(at::BFloat16));
+      }
+    }
+  }
+
+  std::vector<LayerWeights> layers_;
+  torch::Tensor final_norm_;
+  int64_t H_, Hkv_, D_;
+  double eps_, scale_;
+};
+
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation");
+  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place");
+  m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
+                          int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &DecodeStack::forward);
+}

@@ -1,0 +1,164 @@
+"""The fused CPU decode kernels against their PyTorch references (bf16, AVX512-BF16 only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from models import kernels
+from models.loading import load_model
+
+pytestmark = pytest.mark.skipif(
+    not kernels.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16"
+)
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
+
+
+def both(fn):
+    """fn() with the kernels on, then with the PyTorch references."""
+    with kernels.cpu_kernels(True):
+        fast = fn()
+    with kernels.cpu_kernels(False):
+        ref = fn()
+    return fast, ref
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40)])
+def test_linear(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16)
+    with torch.inference_mode():
+        fast, _ = both(lambda: kernels.linear(x, w, b))
+    exact = x.float() @ w.float().T + b.float()
+    # fp32 accumulation, one bf16 rounding at the end: within bf16's relative precision.
+    assert _rel(fast, exact) <= 1e-2
+
+
+def test_norms_and_activation():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 576, generator=gen).to(BF16)
+    r = torch.randn(3, 576, generator=gen).to(BF16)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(BF16)
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.rms_norm(x, w, 1e-5))
+        assert _rel(fast, ref) <= 1e-2
+        (fn, fs), (rn, rs) = both(lambda: kernels.add_rms_norm(x, r, w, 1e-5))
+        assert torch.equal(fs, rs)  # the residual sum rounds exactly like x + r
+        assert _rel(fn, rn) <= 1e-2
+        gu = torch.randn(2, 2 * 96, generator=gen).to(BF16)
+        fast, ref = both(lambda: kernels.silu_mul(gu))
+        assert fast.shape == (2, 96) and _rel(fast, ref) <= 1e-2
+
+
+def test_rotary():
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 3, 5 * 64, generator=gen).to(BF16)
+    cos = torch.randn(3, 1, 64, generator=gen).to(BF16)
+    sin = torch.randn(3, 1, 64, generator=gen).to(BF16)
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.rotate_qk(qkv.clone(), cos, sin, 4, 64))
+    assert _rel(fast, ref) <= 1e-2
+    assert torch.equal(fast[..., 4 * 64 :], qkv[..., 4 * 64 :])  # v is left alone
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_attention(with_bias):
+    gen = torch.Generator().manual_seed(2)
+    batch, heads, kv_heads, slots, dim = 2, 6, 2, 40, 64
+    q = torch.randn(batch, heads, dim, generator=gen).to(BF16)
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
+    bias = torch.randn(batch, kv_heads, slots, generator=gen) if with_bias else None
+    lengths = [17, 40]
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.decode_attention(q, keys, values, lengths, 0.125, bias))
+    assert fast.shape == (batch, heads * dim) and _rel(fast, ref) <= 2e-2
+
+
+def test_argmax_matches_torch():
+    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(3))
+    x[1, 100] = x[1, 200] = 1e6  # ties resolve to the first index
+    fast, ref = both(lambda: kernels.argmax(x))
+    assert torch.equal(fast, x.argmax(-1)) and torch.equal(ref, fast) and fast[1] == 100
+
+
+def test_bf16_decoding_with_and_without_kernels_agrees(tmp_path):
+    """Whole-model check: prefill + 12 decode steps in bf16, fused vs PyTorch path."""
+    tiny_models.hf_tiny(
+        "llama",
+        tmp_path,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=192,
+    )
+    model, _ = load_model(tmp_path, dtype=BF16)
+    ids = torch.randint(0, tiny_models.VOCAB, (2, 20), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        cache = model.new_cache(2, 64)
+        with torch.inference_mode():
+            outs = [model.logits(model(ids[:, :8], cache=cache))[:, -1]]
+            outs += [
+                model.logits(model(ids[:, i : i + 1], cache=cache))[:, -1] for i in range(8, 20)
+            ]
+        return torch.stack(outs, 1).float()
+
+    fast, ref = both(run)
+    assert not torch.equal(fast, ref)  # the fused path really ran (it rounds differently)
+    assert _rel(fast, ref) <= 3e-2
+    assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fused_decode_honours_compacted_segments(tmp_path):
+    """A cache whose prefix was replaced by a smaller biased segment: the fused step must add
+    beta per key and continue from the logical length, like the reference path."""
+    tiny_models.hf_tiny(
+        "llama",
+        tmp_path,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=192,
+    )
+    model, _ = load_model(tmp_path, dtype=BF16)
+    ids = torch.randint(0, tiny_models.VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        cache = model.new_cache(1, 64)
+        with torch.inference_mode():
+            model(ids[:, :16], cache=cache)
+            segs = [cache.read(0, layer) for layer in range(model.config.num_layers)]
+            keep = torch.arange(0, 16, 2)  # every other slot, reweighted
+            cache.replace_prefix(
+                0,
+                16,
+                [k[:, keep].clone() for k, _, _ in segs],
+                [v[:, keep].clone() for _, v, _ in segs],
+                [
+                    torch.randn(k.shape[0], len(keep), generator=torch.Generator().manual_seed(7))
+                    for k, _, _ in segs
+                ],
+            )
+            assert cache.lengths == [8] and cache.logical == [16]
+            outs = [
+                model.logits(model(ids[:, i : i + 1], cache=cache))[:, -1] for i in range(16, 24)
+            ]
+        return torch.stack(outs, 1).float()
+
+    fast, ref = both(run)
+    assert not torch.equal(fast, ref)
+    assert _rel(fast, ref) <= 3e-2
