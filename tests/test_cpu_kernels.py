@@ -95,17 +95,23 @@ def test_argmax_matches_torch():
     assert torch.equal(fast, x.argmax(-1)) and torch.equal(ref, fast) and fast[1] == 100
 
 
-def test_bf16_decoding_with_and_without_kernels_agrees(tmp_path):
-    """Whole-model check: prefill + 12 decode steps in bf16, fused vs PyTorch path."""
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny bf16 Llama with head_dim 64, so every fused op applies."""
+    folder = tmp_path_factory.mktemp("bf16-llama")
     tiny_models.hf_tiny(
         "llama",
-        tmp_path,
+        folder,
         hidden_size=128,
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=192,
     )
-    model, _ = load_model(tmp_path, dtype=BF16)
+    return load_model(folder, dtype=BF16)[0]
+
+
+def test_bf16_decoding_with_and_without_kernels_agrees(model):
+    """Whole-model check: prefill + 12 decode steps in bf16, fused vs PyTorch path."""
     ids = torch.randint(0, tiny_models.VOCAB, (2, 20), generator=torch.Generator().manual_seed(4))
 
     def run():
@@ -123,18 +129,9 @@ def test_bf16_decoding_with_and_without_kernels_agrees(tmp_path):
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-def test_fused_decode_honours_compacted_segments(tmp_path):
+def test_fused_decode_honours_compacted_segments(model):
     """A cache whose prefix was replaced by a smaller biased segment: the fused step must add
     beta per key and continue from the logical length, like the reference path."""
-    tiny_models.hf_tiny(
-        "llama",
-        tmp_path,
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=192,
-    )
-    model, _ = load_model(tmp_path, dtype=BF16)
     ids = torch.randint(0, tiny_models.VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
 
     def run():
