@@ -137,6 +137,36 @@ class KVCache:
         start = torch.tensor(self.logical, device=device).view(-1, 1)
         return start + torch.arange(q_len, device=device).view(1, -1)
 
+    # ---- rows ------------------------------------------------------------------------------
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A view of rows [start, stop): same storage, its own length lists. Run a forward on
+        it, then `absorb` it back. Grow this cache's capacity first: a view that grows would
+        get buffers of its own."""
+        return KVCache(
+            keys=[k[start:stop] for k in self.keys],
+            values=[v[start:stop] for v in self.values],
+            lengths=self.lengths[start:stop],
+            logical=self.logical[start:stop],
+            biases=None if self.biases is None else [b[start:stop] for b in self.biases],
+        )
+
+    def absorb(self, view: KVCache, start: int = 0) -> None:
+        """Take back the lengths a `rows(start, ...)` view advanced."""
+        if view.keys[0].data_ptr() != self.keys[0][start].data_ptr():
+            raise ValueError("the view grew its own buffers; grow the parent cache first")
+        self.lengths[start : start + view.batch] = view.lengths
+        self.logical[start : start + view.batch] = view.logical
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row src's committed slots (and lengths) into row dst: compacts the active rows
+        of a batch when a sequence leaves."""
+        n = self.lengths[src]
+        for buffers in (self.keys, self.values, self.biases or []):
+            for buf in buffers:
+                buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
+        self.logical[dst] = self.logical[src]
+
     # ---- whole-sequence edits ------------------------------------------------------------
     def reset(self, row: int, length: int = 0) -> None:
         """Forget committed slots of one row past `length` (its logical length follows)."""

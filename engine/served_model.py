@@ -6,17 +6,22 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.ar_engine import AREngine
+from engine.dlm_engine import DLMEngine
+from engine.scheduler import BatchWorker
 from engine.worker import EngineWorker
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
 from models.sources import resolve
 from models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +34,13 @@ class ServedModel:
     tokenizer: Any
     config: ModelConfig
     max_model_len: int
-    engine: AREngine
-    worker: EngineWorker
+    engine: AREngine | DLMEngine
+    worker: EngineWorker | BatchWorker
     created: int
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.config.is_diffusion
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -52,19 +61,36 @@ def load_served_model(
     dtype: torch.dtype,
     max_model_len: int | None = None,
     max_queue: int = 256,
+    max_batch: int = 8,
+    metrics: Metrics | None = None,
 ) -> ServedModel:
     started = time.perf_counter()
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels.enable_cpu_kernels()  # compiled once per machine (~30 s), then cached
     path = resolve(spec)
     model, ckpt = load_model(path, device=device, dtype=dtype, resolve=resolve)
-    if ckpt.config.is_diffusion:
-        raise NotImplementedError(f"{name}: diffusion models are served by the CDLM engine")
     tokenizer = load_tokenizer(ckpt.tokenizer_folder or path)
     limit = min(
         max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings
     )
-    engine = AREngine(model, tokenizer, limit)
+    engine: AREngine | DLMEngine
+    worker: EngineWorker | BatchWorker
+    if ckpt.config.is_diffusion:
+        engine = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
+        on_step = None
+        if metrics is not None:
+            engine.on_finish = lambda seq: metrics.observe_dlm_sequence(
+                name,
+                seq.params.decoding,
+                seq.steps,
+                seq.tokens_per_step,
+                time.perf_counter() - seq.started,
+            )
+            on_step = metrics.dlm_step_latency.labels(name).observe
+        worker = BatchWorker(name, engine, max_queue, on_step=on_step)
+    else:
+        engine = AREngine(model, tokenizer, limit)
+        worker = EngineWorker(name, max_queue)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",
         name,
@@ -81,6 +107,6 @@ def load_served_model(
         config=ckpt.config,
         max_model_len=limit,
         engine=engine,
-        worker=EngineWorker(name, max_queue),
+        worker=worker,
         created=int(time.time()),
     )

@@ -45,16 +45,19 @@ class TextAssembler:
         return TextDelta(delta, False)
 
     def flush(self) -> str:
-        """The held-back tail, once generation is over without hitting a stop string."""
+        """Everything not yet handed out, once generation is over without hitting a stop
+        string: the held-back tail, and tokens still waiting to complete a character (they
+        decode to U+FFFD, as a one-shot decode of the whole answer would)."""
+        self.text += self._decode_new(final=True)
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         after = decode(self.ids[self._prefix_offset :], skip_special_tokens=True)
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        if (after.endswith("\ufffd") and not final) or len(after) <= len(before):
             # Incomplete character (or nothing visible yet): wait for more tokens.
             return ""
         self._prefix_offset = self._read_offset

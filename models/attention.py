@@ -29,13 +29,16 @@ PatternKind = Literal["causal", "bidirectional", "block_causal"]
 @dataclass(frozen=True, slots=True)
 class AttentionPattern:
     kind: PatternKind
-    block_size: int = 0
-    # Logical index where the first block of `block_size` starts: an int for the whole batch
-    # or an int64 tensor [B] per sequence (prompts of different lengths).
+    # Block size: an int for the whole batch or an int64 tensor [B] per sequence.
+    block_size: int | Tensor = 0
+    # Logical index where the first block starts: an int for the whole batch or an int64
+    # tensor [B] per sequence (prompts of different lengths).
     block_start: int | Tensor = 0
 
     def __post_init__(self) -> None:
-        if self.kind == "block_causal" and self.block_size < 1:
+        size = self.block_size
+        too_small = bool((size < 1).any()) if isinstance(size, Tensor) else size < 1
+        if self.kind == "block_causal" and too_small:
             raise ValueError("block_causal attention needs block_size >= 1")
 
     @staticmethod
@@ -47,16 +50,18 @@ class AttentionPattern:
         return AttentionPattern("bidirectional")
 
     @staticmethod
-    def block_causal(block_size: int, block_start: int | Tensor = 0) -> AttentionPattern:
+    def block_causal(block_size: int | Tensor, block_start: int | Tensor = 0) -> AttentionPattern:
         return AttentionPattern("block_causal", block_size, block_start)
 
     def block_index(self, pos: Tensor) -> Tensor:
         """pos [B, N] -> block id [B, N]: 0 before block_start, then 1, 2, ... per block."""
-        start = self.block_start
+        start, size = self.block_start, self.block_size
         if isinstance(start, Tensor):
             start = start.to(pos.device).view(-1, 1)
+        if isinstance(size, Tensor):
+            size = size.to(pos.device).view(-1, 1)
         rel = pos - start
-        return torch.where(rel < 0, 0, torch.div(rel, self.block_size, rounding_mode="floor") + 1)
+        return torch.where(rel < 0, 0, torch.div(rel, size, rounding_mode="floor") + 1)
 
     def allowed(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q_pos [B, Q], k_pos [B, K] -> bool [B, Q, K]: may query q see key k."""

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel, load_served_model
 from server import completions
 from server.errors import APIError, error_body, install_error_handlers
+from server.metrics import CONTENT_TYPE, Metrics
 from server.schemas import CompletionRequest, CompletionResponse, ErrorResponse, ModelList
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class ServerSettings:
     dtype: torch.dtype
     max_model_len: int | None = None
     max_queue: int = 256
+    max_batch: int = 8  # sequences a diffusion model decodes together
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class ServerState:
     """Models load in the background, so /health can say 503 while they do."""
 
     settings: ServerSettings
+    metrics: Metrics = field(default_factory=Metrics)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
@@ -51,7 +54,14 @@ class ServerState:
             for spec in self.settings.models:
                 s = self.settings
                 self.models[spec.name] = load_served_model(
-                    spec.name, spec.source, s.device, s.dtype, s.max_model_len, s.max_queue
+                    spec.name,
+                    spec.source,
+                    s.device,
+                    s.dtype,
+                    s.max_model_len,
+                    s.max_queue,
+                    s.max_batch,
+                    self.metrics,
                 )
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
@@ -106,6 +116,10 @@ def create_app(
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models", response_model=ModelList)
     def list_models() -> dict:
         return {
@@ -128,8 +142,11 @@ def create_app(
         choices = completions.plan_choices(served, req)
         if req.stream:
             return StreamingResponse(
-                completions.stream(served, req, choices), media_type="text/event-stream"
+                completions.stream(served, req, choices, state.metrics),
+                media_type="text/event-stream",
             )
-        return await completions.complete(served, req, choices)
+        # Returned as built (the response_model documents the shape): usage.steps is present
+        # for diffusion models only, and logprobs is an explicit null.
+        return JSONResponse(await completions.complete(served, req, choices, state.metrics))
 
     return app

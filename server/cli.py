@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests allowed to wait per model before 429 (env CDLM_SERVE_MAX_QUEUE)",
     )
     serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(_env("MAX_BATCH", "8") or 8),
+        help="sequences a diffusion model decodes together (env CDLM_SERVE_MAX_BATCH)",
+    )
+    serve.add_argument(
         "--log-level",
         default=_env("LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -131,6 +137,7 @@ def serve(args: argparse.Namespace) -> None:
         dtype=pick_dtype(args.dtype, device),
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
     )
     names = [m.name for m in settings.models]
     if len(set(names)) != len(names):

@@ -37,6 +37,10 @@ class CompletionRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     user: str | None = None
+    # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
+    decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
+    block_size: int | None = Field(None, ge=1, le=1024)
+    threshold: float | None = Field(None, ge=0.0)
 
     @field_validator("stop")
     @classmethod
@@ -62,6 +66,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Diffusion models only: forward passes (denoising steps) the request took.
+    steps: int | None = None
 
 
 class CompletionChoice(BaseModel):

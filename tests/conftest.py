@@ -67,8 +67,11 @@ def running_server(
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{base}/health", timeout=2)
+                if health.status_code == 200:
                     break
+                if health.json().get("status") == "error":  # loading failed: no use waiting
+                    raise RuntimeError(f"server failed to load: {health.text}")
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:

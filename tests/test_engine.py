@@ -136,3 +136,11 @@ def test_text_assembler_holds_back_a_possible_stop_prefix():
     assert "".join(deltas[:-1]) == "abc" and deltas[-1] == "<EN"
     deltas, asm = _feed(tok, "abc<END>xyz", ["<END>", "zzz"])
     assert "".join(deltas) == "abc" and asm.text == "abc"
+
+
+def test_text_assembler_flushes_an_incomplete_character_like_a_full_decode():
+    tok = tiny_models.byte_tokenizer()
+    ids = [104, 105, 0xE2, 0x98]  # "hi" + the first two bytes of a three-byte character
+    asm = TextAssembler(tok, [])
+    streamed = "".join(asm.push(t).text for t in ids) + asm.flush()
+    assert streamed == tok.decode(ids) and streamed.endswith("\ufffd")

@@ -1,0 +1,135 @@
+"""Prometheus metrics, in a registry of our own, served at /metrics.
+
+Names mirror vLLM's (`vllm:e2e_request_latency_seconds`, ...) under the prefix `cdlm_serve:`,
+with the same meanings and buckets, so dashboards built for vLLM need only the prefix changed.
+DLM-specific series: steps per request, tokens finalized per step, step latency.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+
+PREFIX = "cdlm_serve:"
+# vLLM's request-latency buckets (seconds).
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+STEP_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+STEPS_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        model = ["model_name"]
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Number of prefill tokens processed.", model, registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Number of generation tokens processed.",
+            model,
+            registry=r,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            [*model, "finished_reason"],
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            model,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.dlm_steps = Histogram(
+            PREFIX + "dlm_steps_per_request",
+            "Forward passes (denoising steps, the prefill included) a diffusion request took.",
+            [*model, "decoding"],
+            buckets=STEPS_BUCKETS,
+            registry=r,
+        )
+        self.dlm_tokens_per_step = Histogram(
+            PREFIX + "dlm_tokens_per_step",
+            "Tokens finalized by one denoising step.",
+            [*model, "decoding"],
+            buckets=TOKENS_PER_STEP_BUCKETS,
+            registry=r,
+        )
+        self.dlm_e2e_latency = Histogram(
+            PREFIX + "dlm_e2e_request_latency_seconds",
+            "End to end latency of diffusion requests in seconds.",
+            [*model, "decoding"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.dlm_step_latency = Histogram(
+            PREFIX + "dlm_step_latency_seconds",
+            "Wall time of one batched denoising step.",
+            model,
+            buckets=STEP_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def observe_request(
+        self, model: str, prompt_tokens: int, generated: int, reason: str, seconds: float
+    ) -> None:
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(generated)
+        self.request_success.labels(model, reason).inc()
+        self.e2e_latency.labels(model).observe(seconds)
+
+    def observe_dlm_sequence(
+        self, model: str, decoding: str, steps: int, tokens_per_step: list[int], seconds: float
+    ) -> None:
+        self.dlm_steps.labels(model, decoding).observe(steps)
+        per_step = self.dlm_tokens_per_step.labels(model, decoding)
+        for n in tokens_per_step:
+            per_step.observe(n)
+        self.dlm_e2e_latency.labels(model, decoding).observe(seconds)
+
+    def render(self) -> bytes:
+        return _generate_latest(self.registry)

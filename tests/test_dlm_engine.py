@@ -1,0 +1,211 @@
+"""The diffusion decoding engine on tiny random Dream- and LLaDA-format models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from engine.dlm_engine import DLMEngine, DLMParams
+from models.attention import AttentionPattern
+from models.loading import load_model
+
+FORMATS = {"dream": tiny_models.dream_tiny, "llada": tiny_models.llada_tiny}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def engine(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    FORMATS[request.param](folder)
+    model, _ = load_model(folder)
+    return DLMEngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+
+def _run(engine: DLMEngine, prompt: list[int], **kw):
+    outs = list(engine.generate(prompt, DLMParams(**kw)))
+    ids = [t for o in outs for t in o.token_ids]
+    return ids, "".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].steps, outs
+
+
+def _reference_block_logits(engine, seq, pattern) -> torch.Tensor:
+    """Full recompute of prompt + answer so far (masks included) under `pattern`."""
+    model = engine.model
+    p, start, size = len(seq.prompt), seq.block_start, seq.size
+    upto = p + start + size if pattern.kind == "block_causal" else p + seq.gen_len
+    ids = torch.cat([torch.tensor(seq.prompt), seq.answer])[:upto]
+    logits = model.token_logits(model(ids[None], pattern=pattern))[0]
+    return logits[p + start : p + start + size].float()
+
+
+@pytest.mark.parametrize("threshold", [0.02, 0.9])
+def test_cdlm_step_logits_equal_full_block_causal_recompute(engine, threshold):
+    diffs = []
+
+    def check(seq, logits):
+        pattern = AttentionPattern.block_causal(seq.size, len(seq.prompt))
+        diffs.append((logits - _reference_block_logits(engine, seq, pattern)).abs().max().item())
+
+    engine.on_step = check
+    try:
+        _run(engine, _prompt(11), max_tokens=24, block_size=8, threshold=threshold, ignore_eos=True)
+    finally:
+        engine.on_step = None
+    assert len(diffs) >= 3 and max(diffs) <= 1e-4
+
+
+def test_fast_dllm_refresh_passes_are_exact(engine):
+    """Fast-dLLM's cache is approximate within a block, but each block's first pass is a full
+    bidirectional recompute."""
+    diffs = []
+
+    def check(seq, logits):
+        if (
+            seq.size
+            - int(
+                (seq.answer[seq.block_start : seq.block_start + seq.size] == engine.mask_id).sum()
+            )
+            == 0
+        ):  # first step of the block
+            ref = _reference_block_logits(engine, seq, AttentionPattern.bidirectional())
+            diffs.append((logits - ref).abs().max().item())
+
+    engine.on_step = check
+    try:
+        _run(
+            engine,
+            _prompt(9),
+            max_tokens=16,
+            block_size=8,
+            decoding="fast_dllm",
+            threshold=0.05,
+            ignore_eos=True,
+        )
+    finally:
+        engine.on_step = None
+    assert len(diffs) == 2 and max(diffs) <= 1e-4
+
+
+def _count_forwards(engine, fn):
+    before = engine.forward_passes
+    result = fn()
+    return engine.forward_passes - before, result
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
+def test_reported_steps_are_forward_passes(engine, decoding):
+    passes, (ids, _, finish, steps, _) = _count_forwards(
+        engine,
+        lambda: _run(
+            engine,
+            _prompt(7),
+            max_tokens=16,
+            block_size=8,
+            decoding=decoding,
+            threshold=0.05,
+            ignore_eos=True,
+        ),
+    )
+    assert steps == passes and len(ids) == 16 and finish == "length"
+
+
+def test_vanilla_takes_one_step_per_token(engine):
+    _, _, _, steps, outs = _run(
+        engine, _prompt(5), max_tokens=24, block_size=8, decoding="vanilla", ignore_eos=True
+    )
+    assert steps == 24
+    assert [o.steps for o in outs] == [8, 16, 24]  # one chunk per completed block
+
+
+def test_threshold_extremes(engine):
+    # tau > 1: never confident enough, so exactly one token per step (+1 for the prefill).
+    _, _, _, steps, _ = _run(
+        engine, _prompt(6), max_tokens=16, block_size=8, threshold=1.5, ignore_eos=True
+    )
+    assert steps == 16 + 1
+    # tau = 0: every masked token is final after one pass, so one step per block.
+    _, _, _, steps, _ = _run(
+        engine, _prompt(6), max_tokens=32, block_size=8, threshold=0.0, ignore_eos=True
+    )
+    assert steps == 4 + 1
+
+
+def test_max_tokens_is_exact_when_not_a_whole_block(engine):
+    ids, text, finish, _, _ = _run(
+        engine, _prompt(6), max_tokens=13, block_size=8, threshold=0.0, ignore_eos=True
+    )
+    assert len(ids) == 13 and finish == "length"
+    assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
+def test_end_of_text_inside_a_block_ends_the_answer(engine, decoding):
+    kw = {"max_tokens": 24, "block_size": 8, "decoding": decoding, "threshold": 0.05}
+    full, _, _, _, _ = _run(engine, _prompt(8, seed=3), ignore_eos=True, **kw)
+    eot = full[11]  # a token in the middle of the second block
+    cut = full.index(eot)
+    ids, text, finish, _, _ = _run(
+        engine, _prompt(8, seed=3), stop_token_ids=[eot], ignore_eos=True, **kw
+    )
+    assert finish == "stop"
+    assert ids == full[: cut + 1]  # the stop token is counted, nothing after it is returned
+    assert text == engine.tokenizer.decode(full[:cut], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
+def test_batched_requests_decode_as_if_alone(engine, decoding):
+    reqs = [
+        (
+            _prompt(5, 1),
+            DLMParams(
+                max_tokens=16, block_size=8, decoding=decoding, threshold=0.05, ignore_eos=True
+            ),
+        ),
+        (
+            _prompt(13, 2),
+            DLMParams(
+                max_tokens=11, block_size=4, decoding=decoding, threshold=0.05, ignore_eos=True
+            ),
+        ),
+        (
+            _prompt(9, 3),
+            DLMParams(
+                max_tokens=24, block_size=8, decoding=decoding, threshold=0.05, ignore_eos=True
+            ),
+        ),
+    ]
+    alone = []
+    for prompt, params in reqs:
+        outs = list(engine.generate(prompt, params))
+        alone.append(([t for o in outs for t in o.token_ids], outs[-1].steps))
+    got: dict[str, list[int]] = {}
+    steps: dict[str, int] = {}
+    seqs = [engine.new_sequence(f"r{i}", p, params) for i, (p, params) in enumerate(reqs)]
+    engine.add(seqs[0])
+    engine.add(seqs[1])
+    n_steps = 0
+    while engine.has_work():
+        if n_steps == 3:
+            engine.add(seqs[2])  # joins a running batch between steps
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+            steps[out.request_id] = out.steps
+        n_steps += 1
+    assert [(got[f"r{i}"], steps[f"r{i}"]) for i in range(3)] == alone
+
+
+def test_sampling_is_seeded(engine):
+    kw = {"max_tokens": 16, "block_size": 8, "temperature": 1.0, "ignore_eos": True}
+    a = _run(engine, _prompt(6), seed=5, **kw)[0]
+    b = _run(engine, _prompt(6), seed=5, **kw)[0]
+    c = _run(engine, _prompt(6), seed=6, **kw)[0]
+    assert a == b and a != c
+
+
+def test_context_limit_is_checked(engine):
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.new_sequence("x", _prompt(500), DLMParams(max_tokens=20, block_size=8))
