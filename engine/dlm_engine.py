@@ -307,6 +307,8 @@ class DLMEngine:
                 if r.seq.refresh:
                     cache.reset(r.seq.row)
             pattern = AttentionPattern.bidirectional()
+        elif n == 1:  # host ints let the model skip the mask on single-block steps
+            pattern = AttentionPattern.block_causal(rows[0].seq.size, len(rows[0].seq.prompt))
         else:
             pattern = AttentionPattern.block_causal(
                 torch.tensor([r.seq.size for r in rows], device=device),

@@ -65,7 +65,7 @@ def load_served_model(
     metrics: Metrics | None = None,
 ) -> ServedModel:
     started = time.perf_counter()
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    if device.type == "cpu":
         kernels.enable_cpu_kernels()  # compiled once per machine (~30 s), then cached
     path = resolve(spec)
     model, ckpt = load_model(path, device=device, dtype=dtype, resolve=resolve)

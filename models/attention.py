@@ -96,6 +96,7 @@ def build_mask(
     q_pos: Tensor,
     cached_lens: list[int] | None,
     valid: Tensor | None,
+    q_start: int | None = None,
 ) -> AttentionMask:
     """Mask for Q new tokens (positions q_pos [B, Q]) attending to the cached slots of their row
     plus the new tokens themselves.
@@ -103,13 +104,15 @@ def build_mask(
     Row b's cache holds cached_lens[b] committed slots; its new tokens are written to slots
     [cached_lens[b], cached_lens[b] + Q). `valid` [B, Q] marks padding among the new tokens
     (padding keys are hidden; every token still sees itself so no softmax row is empty).
+    `q_start`, when known on the host, is the position every row's new tokens start at: it
+    lets a block-causal step whose tokens form one block skip the mask entirely.
     """
     batch, q_len = q_pos.shape
     lens = cached_lens if cached_lens is not None else [0] * batch
     uniform = all(n == lens[0] for n in lens)
     key_len = max(lens) + q_len
     if uniform and valid is None:
-        fast = _uniform_fast_path(pattern, lens[0], q_len, key_len)
+        fast = _uniform_fast_path(pattern, lens[0], q_len, key_len, q_start)
         if fast is not None:
             return fast
 
@@ -136,14 +139,32 @@ def build_mask(
 
 
 def _uniform_fast_path(
-    pattern: AttentionPattern, cached: int, q_len: int, key_len: int
+    pattern: AttentionPattern, cached: int, q_len: int, key_len: int, q_start: int | None
 ) -> AttentionMask | None:
     if pattern.kind == "bidirectional" or q_len == 1:
         # A single query (decode) sees every cached slot and itself under every pattern.
         return AttentionMask(None, False, key_len)
     if pattern.kind == "causal" and cached == 0:
         return AttentionMask(None, True, key_len)
+    if (
+        pattern.kind == "block_causal"
+        and q_start is not None
+        and _one_block(pattern, q_start, q_len)
+    ):
+        # A CDLM step on one block: its tokens see each other and every cached slot.
+        return AttentionMask(None, False, key_len)
     return None
+
+
+def _one_block(pattern: AttentionPattern, start: int, q_len: int) -> bool:
+    size, first = pattern.block_size, pattern.block_start
+    if isinstance(size, Tensor) or isinstance(first, Tensor):
+        return False  # per-row blocks: deciding would need the device; take the general path
+
+    def block(i: int) -> int:
+        return 0 if i < first else 1 + (i - first) // size
+
+    return block(start) == block(start + q_len - 1)
 
 
 def with_key_bias(

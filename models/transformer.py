@@ -191,13 +191,18 @@ class Transformer(nn.Module):
         cached_lens = cache.lengths if cache is not None else None
         if cache is not None:
             cache.ensure_capacity(max(cache.lengths) + q_len)
+        explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
         if cache is not None and q_len == 1 and valid is None and commit is not False:
             stack = kernels.decode_stack(self)
             if stack is not None:
                 # One new token per row, committed: the fused C++ step runs every layer.
                 return self._fused_decode(stack, input_ids, cos, sin, cache, commit)
-        mask = build_mask(pattern, positions, cached_lens, valid)
+        # Where every row's new tokens start, when that is one host-known position.
+        starts = cache.logical if cache is not None else [0]
+        shared = explicit_positions is None and valid is None
+        q_start = starts[0] if shared and all(n == starts[0] for n in starts) else None
+        mask = build_mask(pattern, positions, cached_lens, valid, q_start)
 
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None

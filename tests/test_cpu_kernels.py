@@ -159,3 +159,14 @@ def test_fused_decode_honours_compacted_segments(model):
     fast, ref = both(run)
     assert not torch.equal(fast, ref)
     assert _rel(fast, ref) <= 3e-2
+
+
+@pytest.mark.parametrize("rows", [2, 32, 100])
+def test_fp32_split_linear_is_exact(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(131, 96, generator=gen)  # N not divisible by the thread count
+    b = torch.randn(131, generator=gen)
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.linear(x, w, b))
+    assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)

@@ -105,6 +105,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if _fast(x, rows, weight, bias) and weight.dtype == torch.bfloat16:
         y = _kernel.linear_bf16(x.reshape(rows, k).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
+    if (
+        _kernel
+        and rows > 1
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        y = _kernel.linear_split(x.reshape(rows, k).contiguous(), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
         # One row is a matrix-vector product; torch.mv streams weights faster than F.linear's
         # GEMM path on CPU and is the same cuBLAS GEMV on CUDA.

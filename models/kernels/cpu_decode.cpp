@@ -326,6 +326,31 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// fp32 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with N split across the threads. For a few dozen
+// rows (a CDLM block step) MKL's GEMM runs on one core; one GEMM per thread on a slice of W uses
+// them all (measured 1.6x at M = 32 on 2 cores, and never slower). Same arithmetic per output.
+torch::Tensor linear_split(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = (N + parts - 1) / parts;
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    // Worker threads do not inherit the caller's inference mode; writing into an inference
+    // tensor outside it is an error.
+    c10::InferenceMode guard(inference);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * chunk, n1 = std::min(N, n0 + chunk);
+      if (n0 >= n1) continue;
+      auto out = y.narrow(1, n0, n1 - n0);
+      at::mm_out(out, x, w.narrow(0, n0, n1 - n0).t());
+      if (bias.has_value() && bias->defined()) out.add_(bias->narrow(0, n0, n1 - n0));
+    }
+  });
+  return y;
+}
+
 // ---- The whole decode step in one call ---------------------------------------------------
 //
 // Runs every layer for B rows of one new token each (B <= 8), against the rows' KV caches,
@@ -445,6 +470,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)");
+  m.def("linear_split", &linear_split, "x @ W^T (+ bias), N split across threads");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm");
   m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation");

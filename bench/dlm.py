@@ -1,0 +1,237 @@
+"""Diffusion decoding, side by side: vanilla vs fast_dllm vs cdlm (the paper's Table 1).
+
+    python -m bench.dlm --model DIR --prompts FILE.jsonl [--cdlm-model DIR] [--json out.json]
+    python -m bench.dlm --per-step [--json out.json]
+
+Each JSONL line is {"prompt": ..., "reference": ... (optional)}. Every prompt is decoded alone
+(batch 1) by each decoder in turn, so machine noise hits all three alike; reported per decoder:
+median latency per answer, mean steps (forward passes), tokens/s, and exact match (%) against
+the references where they exist. vanilla and fast_dllm run `--model` (the bidirectional
+teacher); cdlm runs `--cdlm-model` (the block-causal student), or `--model` if none is given.
+
+`--per-step` measures what one step costs: a cached CDLM block step (B new tokens against a
+cache holding the prompt and the answer so far) vs a full-recompute step (prompt + whole answer,
+bidirectional), on a random LLaDA-format model, at answer lengths 64 and 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.dlm_engine import DECODINGS, DLMEngine, DLMParams
+from engine.served_model import load_tokenizer
+from models import kernels
+from models.attention import AttentionPattern
+from models.loading import load_model
+from models.transformer import Transformer
+
+
+@dataclass(slots=True)
+class Item:
+    prompt: str
+    reference: str | None
+
+
+def read_prompts(path: Path, limit: int | None) -> list[Item]:
+    items = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            items.append(Item(row["prompt"], row.get("reference")))
+    return items[:limit] if limit else items
+
+
+def exact_match(answer: str, reference: str) -> bool:
+    return answer.strip() == reference.strip()
+
+
+def run_table(args: argparse.Namespace) -> dict:
+    dtype = getattr(torch, args.dtype)
+    kernels.enable_cpu_kernels()
+    engines: dict[str, DLMEngine] = {}
+    for name, folder in (("teacher", args.model), ("student", args.cdlm_model or args.model)):
+        if name in engines or (
+            name == "student"
+            and folder == args.model
+            and "teacher" in engines
+            and args.cdlm_model is None
+        ):
+            engines[name] = engines["teacher"]
+            continue
+        model, ckpt = load_model(folder, dtype=dtype)
+        tok = load_tokenizer(ckpt.tokenizer_folder or Path(folder))
+        engines[name] = DLMEngine(model, tok, model.config.max_position_embeddings, max_batch=1)
+    items = read_prompts(args.prompts, args.limit)
+    runs: dict[str, list[tuple[float, int, int, bool | None]]] = {d: [] for d in DECODINGS}
+    for item in items:
+        for decoding in ("vanilla", "fast_dllm", "cdlm"):
+            engine = engines["student" if decoding == "cdlm" else "teacher"]
+            ids = engine.tokenizer.encode(item.prompt, add_special_tokens=False)
+            params = DLMParams(
+                max_tokens=args.max_tokens,
+                decoding=decoding,
+                block_size=args.block_size or engine.block_size,
+                threshold=engine.threshold if args.threshold is None else args.threshold,
+            )
+            started = time.perf_counter()
+            outs = list(engine.generate(ids, params))
+            latency = time.perf_counter() - started
+            text = "".join(o.text for o in outs)
+            tokens = sum(len(o.token_ids) for o in outs)
+            correct = None if item.reference is None else exact_match(text, item.reference)
+            runs[decoding].append((latency, outs[-1].steps, tokens, correct))
+    result = {}
+    for decoding, rows in runs.items():
+        latency = statistics.median(r[0] for r in rows)
+        scored = [r[3] for r in rows if r[3] is not None]
+        result[decoding] = {
+            "latency_s": round(latency, 4),
+            "steps": round(statistics.mean(r[1] for r in rows), 2),
+            "tok_s": round(sum(r[2] for r in rows) / sum(r[0] for r in rows), 2),
+            "score": round(100 * sum(scored) / len(scored), 2) if scored else None,
+        }
+    _print_table(result, len(items), args)
+    return result
+
+
+def _print_table(result: dict, n: int, args: argparse.Namespace) -> None:
+    base = result["vanilla"]
+    print(f"\n{n} prompts, max_tokens {args.max_tokens}, dtype {args.dtype}, batch 1")
+    print(f"{'decoder':<11}{'latency (median)':>18}{'steps (mean)':>16}{'tok/s':>10}{'score':>8}")
+    for decoding in ("vanilla", "fast_dllm", "cdlm"):
+        r = result[decoding]
+        speedup = f" ({base['latency_s'] / r['latency_s']:.1f}x)" if decoding != "vanilla" else ""
+        fewer = f" ({base['steps'] / r['steps']:.1f}x)" if decoding != "vanilla" else ""
+        score = "-" if r["score"] is None else f"{r['score']:.1f}"
+        print(
+            f"{decoding:<11}{r['latency_s']:>11.3f} s{speedup:>7}{r['steps']:>9.1f}{fewer:>7}"
+            f"{r['tok_s']:>10.1f}{score:>8}"
+        )
+
+
+# ---- per-step cost ---------------------------------------------------------------------------
+def _random_llada(folder: Path, layers: int, width: int) -> None:
+    """A random LLaDA-format checkpoint of a chosen size (no tokenizer needed here)."""
+    from safetensors.torch import save_file
+
+    from models.config import ModelConfig
+    from models.weights import to_checkpoint
+
+    cfg = {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "d_model": width,
+        "n_heads": width // 64,
+        "n_kv_heads": width // 64,
+        "n_layers": layers,
+        "mlp_hidden_size": 3 * width,
+        "vocab_size": 4096,
+        "embedding_size": 4096,
+        "weight_tying": False,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_sequence_length": 4096,
+        "mask_token_id": 4095,
+        "eos_token_id": 4094,
+    }
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf_dict(cfg))
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(v.shape, generator=gen) * 0.02 for k, v in model.state_dict().items()}
+    save_file(to_checkpoint(sd, model.config), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def run_per_step(args: argparse.Namespace) -> dict:
+    dtype = getattr(torch, args.dtype)
+    kernels.enable_cpu_kernels()
+    with tempfile.TemporaryDirectory() as tmp:
+        _random_llada(Path(tmp), args.layers, args.width)
+        model, _ = load_model(tmp, dtype=dtype)
+    prompt, block = args.prompt_tokens, args.block_size or 32
+    ratios, rows = {}, []
+    for answer in (64, 256):
+        ids = torch.randint(
+            0, 4000, (1, prompt + answer), generator=torch.Generator().manual_seed(1)
+        )
+        full = _median_time(
+            lambda ids=ids: model(ids, pattern=AttentionPattern.bidirectional()), args.repeats
+        )
+        # The costliest cached step: the answer's last block, with everything before it cached.
+        pattern = AttentionPattern.block_causal(block, prompt)
+        cache = model.new_cache(1, prompt + answer + block)
+        model(ids[:, : prompt + answer - block], cache=cache, pattern=pattern)
+        last = ids[:, prompt + answer - block :]
+        cached = _median_time(
+            lambda last=last, cache=cache, pattern=pattern: model(
+                last, cache=cache, pattern=pattern, commit=False
+            ),
+            args.repeats,
+        )
+        ratios[str(answer)] = round(full / cached, 2)
+        rows.append((answer, full, cached))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\nper-step cost, random LLaDA-format model ({n_params / 1e6:.1f}M params, "
+        f"{args.layers} layers, d={args.width}), {args.dtype}, prompt {prompt}, block {block}"
+    )
+    print(f"{'answer':>8}{'full recompute':>17}{'cached block':>15}{'ratio':>8}")
+    for answer, full, cached in rows:
+        print(f"{answer:>8}{full * 1e3:>14.2f} ms{cached * 1e3:>12.2f} ms{full / cached:>7.1f}x")
+    return {
+        "per_step_ratio": ratios,
+        "full_ms": {str(a): round(f * 1e3, 3) for a, f, _ in rows},
+        "cached_ms": {str(a): round(c * 1e3, 3) for a, _, c in rows},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="DLM folder for vanilla and fast_dllm (the teacher)")
+    parser.add_argument("--cdlm-model", help="DLM folder for cdlm (the student)")
+    parser.add_argument("--prompts", type=Path, help="JSONL: prompt, optional reference")
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--threshold", type=float)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--per-step", action="store_true", help="measure one step's cost")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.per_step:
+        result = run_per_step(args)
+    else:
+        if not (args.model and args.prompts):
+            parser.error("--model and --prompts are needed (or --per-step)")
+        result = run_table(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
