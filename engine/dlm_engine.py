@@ -362,6 +362,9 @@ class DLMEngine:
     def _choose(self, seq: DLMSequence, logits: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
         """Which masked positions to finalize this step, and with which tokens."""
         p = seq.params
+        # The mask token is never an answer: a model that predicts it would leave the position
+        # masked and, decoding greedily, pick it again at every step.
+        logits[:, self.mask_id] = float("-inf")
         if p.temperature == 0:
             probs = torch.softmax(logits, dim=-1)
             conf, tokens = probs.max(dim=-1)

@@ -209,3 +209,22 @@ def test_sampling_is_seeded(engine):
 def test_context_limit_is_checked(engine):
     with pytest.raises(ValueError, match="exceeds the context"):
         engine.new_sequence("x", _prompt(500), DLMParams(max_tokens=20, block_size=8))
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
+def test_a_model_that_predicts_the_mask_token_still_finishes(tmp_path, decoding):
+    tiny_models.llada_tiny(tmp_path)
+    model, _ = load_model(tmp_path)
+    with torch.no_grad():
+        model.lm_head.weight[tiny_models.MASK_ID] += 5.0  # the mask id wins every argmax
+    engine = DLMEngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+    params = DLMParams(max_tokens=16, block_size=8, decoding=decoding, ignore_eos=True)
+    engine.add(engine.new_sequence("r", _prompt(5), params))
+    outs = []
+    for _ in range(40):  # bounded: a regression must fail, not hang
+        outs += engine.step()
+        if not engine.has_work():
+            break
+    ids = [t for o in outs for t in o.token_ids]
+    assert outs[-1].finish_reason == "length" and len(ids) == 16
+    assert tiny_models.MASK_ID not in ids and outs[-1].steps <= 16 + 1
