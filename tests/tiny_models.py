@@ -8,53 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from train.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, byte_tokenizer
+
 VOCAB = 300  # 256 byte tokens + specials (ids 256..259) + spare ids (a padded embedding)
-EOS_ID = 256
-BOS_ID = 257
-MASK_ID = 258
-PAD_ID = 259
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer (every byte is a token) with a few special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_vocab = {_GPT2_BYTES[c]: c for c in range(256)}
-    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|bos|>", "<|mask|>", "<|pad|>"]
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        bos_token="<|bos|>",
-        pad_token="<|pad|>",
-        mask_token="<|mask|>",
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    return fast
-
-
-def _gpt2_bytes() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer uses."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs], strict=True))
-
-
-_GPT2_BYTES = _gpt2_bytes()
+__all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "VOCAB", "byte_tokenizer"]
 
 
 def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> None:
