@@ -1,36 +1,126 @@
-"""Autoregressive generation: prefill once, then one token per step against the KV cache."""
+"""Autoregressive generation with continuous batching.
+
+Each running sequence owns one row of a shared KV cache. A step decodes one token for every
+running sequence in a single forward (rows of different lengths: the fused CPU decode step and
+the attention mask both handle that), then admits waiting sequences: each is prefilled alone
+into a free row and yields its first token, and joins the batch from the next step. Finished
+sequences leave between steps; the last row moves into the freed one so the active rows stay
+contiguous and the batch is a view, never a copy.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from engine.kv_cache import KVCache
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.text_output import TextAssembler
+from models import kernels
 from models.transformer import Transformer
 
 
 @dataclass(slots=True)
-class StepOutput:
-    """What one decoding step adds to a request's answer."""
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives (token, logprob), best first
 
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step adds to a request's answer."""
+
+    request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class ARSequence:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    budget: int
+    text: TextAssembler
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    aborted: Callable[[], bool] = lambda: False
+    row: int = -1
+    pending: int | None = None  # last sampled token, not yet run through the model
+    generated: int = 0
+    finish_reason: str | None = None
+    # Timing, for metrics (perf_counter seconds).
+    arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
 
 class AREngine:
-    def __init__(self, model: Transformer, tokenizer: Any, max_model_len: int):
+    def __init__(self, model: Transformer, tokenizer: Any, max_model_len: int, max_batch: int = 8):
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_batch = max_batch
         eos = set(model.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.waiting: list[ARSequence] = []
+        self.running: list[ARSequence] = []
+        self.cache: KVCache | None = None
+        self.on_finish: Callable[[ARSequence], None] | None = None
+
+    # ---- requests --------------------------------------------------------------------------
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        aborted: Callable[[], bool] = lambda: False,
+    ) -> ARSequence:
+        budget = min(params.max_tokens, self.max_model_len - len(prompt))
+        if not prompt or budget < 1:
+            raise ValueError("prompt leaves no room for new tokens")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        generator = None if params.greedy else make_generator(params.seed, self.model.device)
+        return ARSequence(
+            request_id,
+            list(prompt),
+            params,
+            budget,
+            TextAssembler(self.tokenizer, list(params.stop)),
+            frozenset(stop_ids),
+            generator,
+            aborted,
+        )
+
+    def add(self, seq: ARSequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step, whose state cannot be trusted)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.cache = None
+
+    def kv_usage(self) -> float:
+        """Fraction of the allocated KV slots that hold committed tokens."""
+        if self.cache is None:
+            return 0.0
+        return sum(self.cache.lengths) / (self.cache.batch * self.cache.capacity)
 
     @torch.inference_mode()
     def generate(
@@ -39,38 +129,110 @@ class AREngine:
         params: SamplingParams,
         aborted: Callable[[], bool] = lambda: False,
     ) -> Iterator[StepOutput]:
-        """Yield one StepOutput per generated token; the last one has a finish_reason."""
-        model = self.model
-        device = model.device
-        budget = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        if budget < 1:
-            raise ValueError("prompt leaves no room for new tokens")
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        generator = None if params.greedy else make_generator(params.seed, device)
-        text = TextAssembler(self.tokenizer, list(params.stop))
+        """One request alone (the engine must be otherwise idle); yields its outputs."""
+        seq = self.new_sequence("single", prompt_ids, params, aborted)
+        self.add(seq)
+        while self.has_work():
+            yield from (o for o in self.step() if o.request_id == seq.id)
 
-        cache = model.new_cache(1, len(prompt_ids) + budget)
-        tokens = torch.tensor([prompt_ids], device=device)  # [1, P]
-        for step in range(budget):
-            if aborted():
-                yield StepOutput([], "", "abort")
-                return
-            hidden = model(tokens, cache=cache)  # [1, Q, hidden]
-            logits = model.logits(hidden[:, -1])  # [1, V]
-            next_id = sample(logits, params, generator)  # [1]
-            token = int(next_id.item())
-            if token in stop_ids:
-                # Counted as generated (as OpenAI and vLLM do), never shown as text.
-                yield StepOutput([token], text.flush(), "stop")
-                return
-            delta = text.push(token)
-            if delta.stopped:
-                yield StepOutput([token], delta.text, "stop")
-                return
-            if step == budget - 1:
-                yield StepOutput([token], delta.text + text.flush(), "length")
-                return
-            yield StepOutput([token], delta.text)
-            tokens = next_id.view(1, 1)
+    # ---- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for seq in [s for s in self.running if s.aborted()]:
+            seq.finish_reason = "abort"
+            outputs.append(StepOutput(seq.id, [], "", "abort"))
+            self._retire(seq)
+        if self.running:
+            outputs += self._decode()
+        outputs += self._admit()
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self._retire(seq)
+        return outputs
+
+    def _cache_for(self, needed: int) -> KVCache:
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_batch, max(needed, 256))
+        self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
+        return self.cache
+
+    def _admit(self) -> list[StepOutput]:
+        outputs = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting.pop(0)
+            if seq.aborted():
+                outputs.append(StepOutput(seq.id, [], "", "abort"))
+                continue
+            seq.admitted = time.perf_counter()
+            seq.row = len(self.running)
+            self.running.append(seq)
+            cache = self._cache_for(len(seq.prompt) + 1)
+            cache.reset(seq.row)
+            view = cache.rows(seq.row, seq.row + 1)
+            ids = torch.tensor([seq.prompt], device=self.model.device)
+            hidden = self.model(ids, cache=view)  # [1, P, hidden]
+            cache.absorb(view, seq.row)
+            logits = self.model.logits(hidden[:, -1])  # [1, V]
+            outputs.append(self._accept(seq, logits[0]))
+        return outputs
+
+    def _decode(self) -> list[StepOutput]:
+        n = len(self.running)
+        assert self.cache is not None  # running rows were prefilled into it
+        cache = self._cache_for(max(self.cache.lengths[:n]) + 1)
+        tokens = torch.tensor([[s.pending] for s in self.running], device=self.model.device)
+        view = cache.rows(0, n)
+        hidden = self.model(tokens, cache=view)  # [n, 1, hidden]
+        cache.absorb(view)
+        logits = self.model.logits(hidden[:, 0])  # [n, V]
+        return [self._accept(seq, logits[i]) for i, seq in enumerate(self.running)]
+
+    def _sample(self, seq: ARSequence, logits: Tensor) -> int:
+        if seq.params.greedy:
+            return int(kernels.argmax(logits[None])[0])
+        return int(sample(logits[None], seq.params, seq.generator)[0])
+
+    def _accept(self, seq: ARSequence, logits: Tensor) -> StepOutput:
+        """Sample the next token of `seq` from its logits [V] and say what it adds."""
+        token = self._sample(seq, logits)
+        seq.generated += 1
+        seq.token_times.append(time.perf_counter())
+        lps = (
+            [self._logprob(logits, token, seq.params.logprobs)]
+            if seq.params.logprobs is not None
+            else []
+        )
+        if token in seq.stop_ids:
+            # Counted as generated (as OpenAI and vLLM do), never shown as text.
+            return self._finish(seq, StepOutput(seq.id, [token], seq.text.flush(), "stop", lps))
+        delta = seq.text.push(token)
+        if delta.stopped:
+            return self._finish(seq, StepOutput(seq.id, [token], delta.text, "stop", lps))
+        if seq.generated >= seq.budget:
+            out = StepOutput(seq.id, [token], delta.text + seq.text.flush(), "length", lps)
+            return self._finish(seq, out)
+        seq.pending = token
+        return StepOutput(seq.id, [token], delta.text, None, lps)
+
+    @staticmethod
+    def _logprob(logits: Tensor, token: int, top_k: int) -> TokenLogprob:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = []
+        if top_k > 0:
+            values, ids = logp.topk(top_k)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, float(logp[token]), top)
+
+    def _finish(self, seq: ARSequence, out: StepOutput) -> StepOutput:
+        seq.finish_reason = out.finish_reason
+        return out
+
+    def _retire(self, seq: ARSequence) -> None:
+        last = self.running[-1]
+        if last is not seq and self.cache is not None:
+            self.cache.move_row(last.row, seq.row)
+        self.running[seq.row] = last
+        last.row = seq.row
+        self.running.pop()
+        if self.on_finish is not None:
+            self.on_finish(seq)

@@ -20,6 +20,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
 
     @property
     def greedy(self) -> bool:

@@ -19,9 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.worker import QueueFull
-
 log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the server allows; answered with 429."""
+
 
 _DONE = object()
 

@@ -13,7 +13,6 @@ import torch
 from engine.ar_engine import AREngine
 from engine.dlm_engine import DLMEngine
 from engine.scheduler import BatchWorker
-from engine.worker import EngineWorker
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
@@ -35,7 +34,7 @@ class ServedModel:
     config: ModelConfig
     max_model_len: int
     engine: AREngine | DLMEngine
-    worker: EngineWorker | BatchWorker
+    worker: BatchWorker
     created: int
 
     @property
@@ -74,10 +73,9 @@ def load_served_model(
         max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings
     )
     engine: AREngine | DLMEngine
-    worker: EngineWorker | BatchWorker
+    on_step = None
     if ckpt.config.is_diffusion:
         engine = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
-        on_step = None
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_dlm_sequence(
                 name,
@@ -87,10 +85,11 @@ def load_served_model(
                 time.perf_counter() - seq.started,
             )
             on_step = metrics.dlm_step_latency.labels(name).observe
-        worker = BatchWorker(name, engine, max_queue, on_step=on_step)
     else:
-        engine = AREngine(model, tokenizer, limit)
-        worker = EngineWorker(name, max_queue)
+        engine = AREngine(model, tokenizer, limit, max_batch=max_batch)
+        if metrics is not None:
+            engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
+    worker = BatchWorker(name, engine, max_queue, on_step=on_step)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",
         name,

@@ -18,8 +18,8 @@ from typing import Any
 
 from engine.dlm_engine import DLMParams
 from engine.sampling import SamplingParams
+from engine.scheduler import QueueFull
 from engine.served_model import ServedModel
-from engine.worker import QueueFull
 from server.errors import APIError, error_body
 from server.metrics import Metrics
 from server.schemas import CompletionRequest
@@ -162,20 +162,12 @@ def plan_choices(served: ServedModel, req: CompletionRequest) -> list[Choice]:
 
 async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
-    if served.is_diffusion:
 
-        def build(request_id, aborted):
-            return served.engine.new_sequence(request_id, choice.prompt_ids, choice.params, aborted)
+    def build(request_id, aborted):
+        return served.engine.new_sequence(request_id, choice.prompt_ids, choice.params, aborted)
 
-        source = served.worker.stream(build)
-    else:
-
-        def job(aborted):
-            return served.engine.generate(choice.prompt_ids, choice.params, aborted)
-
-        source = served.worker.stream(job)
     try:
-        async for out in source:
+        async for out in served.worker.stream(build):
             yield out
     except QueueFull as e:
         raise APIError(429, str(e), headers={"Retry-After": "1"}) from None

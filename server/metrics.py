@@ -7,53 +7,26 @@ DLM-specific series: steps per request, tokens finalized per step, step latency.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
 
 PREFIX = "cdlm_serve:"
-# vLLM's request-latency buckets (seconds).
-LATENCY_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-STEP_LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+# Buckets as vLLM's (seconds), so the same dashboards read the same ranges.
+# fmt: off
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+STEP_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+                        1.0, 2.5, 5.0, 10.0)
 STEPS_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
+# fmt: on
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -81,6 +54,27 @@ class Metrics:
         self.e2e_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
+            model,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            model,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            model,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
             model,
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -121,6 +115,17 @@ class Metrics:
         self.generation_tokens.labels(model).inc(generated)
         self.request_success.labels(model, reason).inc()
         self.e2e_latency.labels(model).observe(seconds)
+
+    def observe_ar_sequence(self, model: str, seq: Any) -> None:
+        """Timing of a finished AR sequence (engine.ar_engine.ARSequence)."""
+        times = seq.token_times
+        if seq.admitted is not None:
+            self.queue_time.labels(model).observe(seq.admitted - seq.arrived)
+        if times:
+            self.ttft.labels(model).observe(times[0] - seq.arrived)
+            itl = self.itl.labels(model)
+            for a, b in itertools.pairwise(times):
+                itl.observe(b - a)
 
     def observe_dlm_sequence(
         self, model: str, decoding: str, steps: int, tokens_per_step: list[int], seconds: float

@@ -144,3 +144,40 @@ def test_text_assembler_flushes_an_incomplete_character_like_a_full_decode():
     asm = TextAssembler(tok, [])
     streamed = "".join(asm.push(t).text for t in ids) + asm.flush()
     assert streamed == tok.decode(ids) and streamed.endswith("\ufffd")
+
+
+def test_continuous_batching_gives_each_request_its_solo_answer(setup):
+    """Requests of different lengths decode together, join mid-run and leave early; every
+    answer equals decoding it alone (greedy, fp32)."""
+    _, engine, _ = setup
+    reqs = [([65, 66, 67], 12), (list(range(70, 90)), 5), ([100], 20), ([7, 8, 9, 10], 9)]
+    alone = [_run(engine, p, max_tokens=n, temperature=0.0, ignore_eos=True)[0] for p, n in reqs]
+    seqs = [engine.new_sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0,
+                                                           ignore_eos=True))
+            for i, (p, n) in enumerate(reqs)]
+    got: dict[str, list[int]] = {}
+    engine.add(seqs[0])
+    engine.add(seqs[1])
+    steps = 0
+    while engine.has_work():
+        if steps == 3:
+            engine.add(seqs[2])
+            engine.add(seqs[3])
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+    assert [got[f"r{i}"] for i in range(4)] == alone
+
+
+def test_logprobs_are_log_softmax_of_the_logits(setup):
+    hf, engine, _ = setup
+    prompt = [72, 101, 108]
+    steps = list(engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0,
+                                                        ignore_eos=True, logprobs=2)))
+    first = steps[0].logprobs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+    assert first.token == int(ref.argmax())
+    assert abs(first.logprob - float(ref.max())) < 1e-4
+    top_ids = [t for t, _ in first.top]
+    assert top_ids == ref.topk(2).indices.tolist() and top_ids[0] == first.token
