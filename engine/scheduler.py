@@ -54,8 +54,9 @@ class BatchWorker:
     ):
         self.name = name
         self.engine = engine
+        self.max_queue = max_queue
         self.on_step = on_step  # called with each step's wall time (metrics)
-        self._inbox: queue.Queue[_Request | None] = queue.Queue(maxsize=max_queue)
+        self._inbox: queue.Queue[_Request | None] = queue.Queue()
         self._live: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._stop = False
@@ -64,11 +65,16 @@ class BatchWorker:
 
     @property
     def waiting(self) -> int:
-        return self._inbox.qsize()
+        """Requests not yet decoding: in the inbox or in the engine's waiting list. Read from
+        other threads without a lock: a snapshot, good enough for admission and gauges."""
+        return self._inbox.qsize() + len(getattr(self.engine, "waiting", ()))
 
     @property
     def running(self) -> int:
-        return len(self._live)
+        return max(0, len(self._live) - len(getattr(self.engine, "waiting", ())))
+
+    def full(self) -> bool:
+        return self.waiting >= self.max_queue
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Finish what is in flight, then stop."""
@@ -80,10 +86,9 @@ class BatchWorker:
         req = _Request(
             f"{self.name}-{next(self._ids)}", build, asyncio.get_running_loop(), asyncio.Queue()
         )
-        try:
-            self._inbox.put_nowait(req)
-        except queue.Full:
-            raise QueueFull(f"{self.name}: too many requests waiting") from None
+        if self.full():
+            raise QueueFull(f"{self.name}: {self.waiting} requests are already waiting")
+        self._inbox.put_nowait(req)
         try:
             while True:
                 item = await req.out.get()

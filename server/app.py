@@ -1,26 +1,47 @@
-"""The FastAPI application: routes, and the state of the models it serves."""
+"""The FastAPI application: routes, middleware, and the state of the models it serves."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
+import secrets
 import threading
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel, load_served_model
-from server import completions
-from server.errors import APIError, error_body, install_error_handlers
+from server import chat, completions
+from server.errors import APIError, error_body, error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
-from server.schemas import CompletionRequest, CompletionResponse, ErrorResponse, ModelList
+from server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record (the id of the HTTP request being served)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
 
 
 @dataclass(slots=True)
@@ -36,7 +57,8 @@ class ServerSettings:
     dtype: torch.dtype
     max_model_len: int | None = None
     max_queue: int = 256
-    max_batch: int = 8  # sequences a diffusion model decodes together
+    max_batch: int = 8  # sequences decoded together per model
+    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -81,17 +103,45 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+        if served.worker.full():  # checked before a stream starts: its 429 must be a status
+            raise APIError(
+                429,
+                f"{name}: {served.worker.waiting} requests are already waiting",
+                headers={"Retry-After": "1"},
+            )
         return served
 
+    def gauges(self) -> dict[str, tuple[int, int, float]]:
+        """model -> (running, waiting, KV cache usage), read at scrape time."""
+        out = {}
+        for name, served in self.models.items():
+            usage = getattr(served.engine, "kv_usage", lambda: 0.0)()
+            out[name] = (served.worker.running, served.worker.waiting, usage)
+        return out
+
     def shutdown(self) -> None:
+        """Let in-flight requests finish, then stop the engine threads."""
         for served in self.models.values():
-            served.worker.shutdown(timeout=30)
+            served.worker.shutdown(timeout=60)
+
+
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine
+    sequences) instead of finishing an answer nobody will read."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client closed the request")
+    return task.result()
 
 
 def create_app(
     settings: ServerSettings, loader: Callable[[ServerState], None] | None = None
 ) -> FastAPI:
     state = ServerState(settings)
+    state.metrics.add_gauges(state.gauges)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -100,12 +150,44 @@ def create_app(
         )
         thread.start()
         yield
-        state.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
 
     app = FastAPI(title="cdlm-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    errors = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = REQUEST_ID.set(rid)
+        started = time.perf_counter()
+        try:
+            if settings.api_key and request.url.path.startswith("/v1"):
+                auth = request.headers.get("authorization", "")
+                given = auth[7:] if auth.lower().startswith("bearer ") else ""
+                if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+                    response = error_response(
+                        APIError(
+                            401,
+                            "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key",
+                        )
+                    )
+                    response.headers["x-request-id"] = rid
+                    return response
+            response = await call_next(request)
+            response.headers["x-request-id"] = rid
+            log.info(
+                "%s %s -> %d in %.3fs",
+                request.method,
+                request.url.path,
+                response.status_code,
+                time.perf_counter() - started,
+            )
+            return response
+        finally:
+            REQUEST_ID.reset(token)
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -116,11 +198,15 @@ def create_app(
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    def version() -> dict:
+        return {"version": VERSION}
+
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=errors)
     def list_models() -> dict:
         return {
             "object": "list",
@@ -137,9 +223,9 @@ def create_app(
         }
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
-    async def create_completion(req: CompletionRequest):
+    async def create_completion(req: CompletionRequest, request: Request):
         served = state.get(req.model)
-        choices = completions.plan_choices(served, req)
+        choices = completions.plan_completion(served, req)
         if req.stream:
             return StreamingResponse(
                 completions.stream(served, req, choices, state.metrics),
@@ -147,6 +233,20 @@ def create_app(
             )
         # Returned as built (the response_model documents the shape): usage.steps is present
         # for diffusion models only, and logprobs is an explicit null.
-        return JSONResponse(await completions.complete(served, req, choices, state.metrics))
+        body = await until_disconnected(
+            request, completions.complete(served, req, choices, state.metrics)
+        )
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions", responses=errors)
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        served = state.get(req.model)
+        choices = chat.plan_chat(served, req)
+        if req.stream:
+            return StreamingResponse(
+                chat.stream(served, req, choices, state.metrics), media_type="text/event-stream"
+            )
+        body = await until_disconnected(request, chat.complete(served, req, choices, state.metrics))
+        return JSONResponse(body)
 
     return app

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests allowed to wait per model before 429 (env CDLM_SERVE_MAX_QUEUE)",
     )
     serve.add_argument(
+        "--api-key",
+        default=_env("API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every /v1 route (env CDLM_SERVE_API_KEY); "
+        "/health, /version and /metrics stay open",
+    )
+    serve.add_argument(
         "--max-batch",
         type=int,
         default=int(_env("MAX_BATCH", "8") or 8),
@@ -138,6 +144,7 @@ def serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
+        api_key=args.api_key,
     )
     names = [m.name for m in settings.models]
     if len(set(names)) != len(names):
@@ -146,16 +153,25 @@ def serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def configure_logging(level: str) -> None:
+    """One line per record, with the request id of the HTTP request it belongs to."""
+    from server.app import RequestIdFilter
+
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    )
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]  # `cdlm-serve` alone serves the default model
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, getattr(args, "log_level", "info").upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(getattr(args, "log_level", "info"))
     if args.command == "fetch":
         for name in args.models:
             print(resolve(name))

@@ -1,13 +1,16 @@
 """POST /v1/completions: turn a request into engine work, and its output into OpenAI's
 response (one JSON body) or its server-sent-event stream.
 
-AR models run through the AR engine (one chunk per token when streaming); diffusion models
-through the DLM engine (one chunk per completed block), whose responses also report
-`usage.steps`, the forward passes the request took.
+The pieces here are shared with chat completions (`server/chat.py`): `plan_choices` (prompts x
+n samples -> engine parameters, with every limit checked up front), `run_choices` (all choices
+of a request submitted at once, so the engine batches them, their outputs merged as they come)
+and `Tally` (usage). AR models stream one chunk per token, diffusion models one per completed
+block and report `usage.steps`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -16,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.dlm_engine import DLMParams
 from engine.sampling import SamplingParams
 from engine.scheduler import QueueFull
@@ -23,6 +28,8 @@ from engine.served_model import ServedModel
 from server.errors import APIError, error_body
 from server.metrics import Metrics
 from server.schemas import CompletionRequest
+
+DLM_OPTIONS = ("decoding", "block_size", "threshold")
 
 
 @dataclass(slots=True)
@@ -50,39 +57,30 @@ class Tally:
             self.steps += getattr(out, "steps", 0)
 
 
-def _reject_unsupported(served: ServedModel, req: CompletionRequest) -> None:
-    unsupported = {
-        "logprobs": req.logprobs is not None,
-        "suffix": req.suffix is not None,
-        "best_of": req.best_of is not None and req.best_of != req.n,
-        "presence_penalty": req.presence_penalty != 0.0,
-        "frequency_penalty": req.frequency_penalty != 0.0,
-    }
-    if not served.is_diffusion:
-        unsupported |= {
-            "decoding": req.decoding is not None,
-            "block_size": req.block_size is not None,
-            "threshold": req.threshold is not None,
-        }
+# ---- planning --------------------------------------------------------------------------------
+def reject_unsupported(served: ServedModel, req: Any, unsupported: dict[str, bool]) -> None:
+    if served.is_diffusion:
+        if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
+            unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
+    else:
+        unsupported |= {k: getattr(req, k, None) is not None for k in DLM_OPTIONS}
     for param, used in unsupported.items():
         if used:
-            what = (
-                "by this server yet"
-                if param not in ("decoding", "block_size", "threshold")
-                else "for autoregressive models (it is a diffusion-model option)"
-            )
-            raise APIError(400, f"{param} is not supported {what}", param=param)
+            reason = "only for diffusion models" if param in DLM_OPTIONS else "by this server yet"
+            if param == "logprobs" and served.is_diffusion:
+                reason = "for diffusion models"
+            raise APIError(400, f"{param} is not supported {reason}", param=param)
 
 
-def _prompt_ids(served: ServedModel, req: CompletionRequest) -> list[tuple[list[int], str]]:
-    """Each prompt of the request as (token ids, text)."""
-    prompt = req.prompt
+def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
+    """Each prompt of a request (string, list of strings, token ids, list of id lists) as
+    (token ids, text)."""
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
     elif all(isinstance(p, int) for p in prompt):
-        items = [prompt]  # type: ignore[list-item]
+        items = [prompt]
     else:
-        items = list(prompt)  # type: ignore[arg-type]
+        items = list(prompt)
     vocab = served.config.vocab_size
     out = []
     for p in items:
@@ -114,13 +112,18 @@ def _context_error(limit: int, prompt: int, wanted: int, note: str = "") -> APIE
     )
 
 
-def _params(served: ServedModel, req: CompletionRequest, max_tokens: int, seed: int | None):
+def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, logprobs: int | None):
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
     stop = list(req.stop or [])
     if not served.is_diffusion:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
     engine = served.engine
     return DLMParams(
@@ -136,22 +139,26 @@ def _params(served: ServedModel, req: CompletionRequest, max_tokens: int, seed: 
     )
 
 
-def plan_choices(served: ServedModel, req: CompletionRequest) -> list[Choice]:
-    _reject_unsupported(served, req)
-    prompts = _prompt_ids(served, req)
+def plan_choices(
+    served: ServedModel,
+    req: Any,
+    prompts: list[tuple[list[int], str]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[Choice]:
     limit = served.max_model_len
     choices = []
     for i, (ids, text) in enumerate(prompts):
         room = limit - len(ids)
-        max_tokens = req.max_tokens if req.max_tokens is not None else room
-        if max_tokens > room or room < 1:
-            raise _context_error(limit, len(ids), max_tokens)
+        wanted = max_tokens if max_tokens is not None else room
+        if wanted > room or room < 1:
+            raise _context_error(limit, len(ids), wanted)
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
-            params = _params(served, req, max_tokens, seed)
+            params = _params(served, req, wanted, seed, logprobs)
             if isinstance(params, DLMParams):
                 # The engine decodes whole blocks: the rounded-up budget must fit too.
-                budget = math.ceil(max_tokens / params.block_size) * params.block_size
+                budget = math.ceil(wanted / params.block_size) * params.block_size
                 if budget > room:
                     raise _context_error(
                         limit, len(ids), budget, ", max_tokens rounded up to whole blocks"
@@ -160,6 +167,22 @@ def plan_choices(served: ServedModel, req: CompletionRequest) -> list[Choice]:
     return choices
 
 
+def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]:
+    reject_unsupported(
+        served,
+        req,
+        {
+            "suffix": req.suffix is not None,
+            "best_of": req.best_of is not None and req.best_of != req.n,
+            "presence_penalty": req.presence_penalty != 0.0,
+            "frequency_penalty": req.frequency_penalty != 0.0,
+            "logprobs": served.is_diffusion and req.logprobs is not None,
+        },
+    )
+    return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
+
+
+# ---- running ---------------------------------------------------------------------------------
 async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
@@ -175,38 +198,136 @@ async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
         raise APIError(400, str(e)) from None
 
 
-def new_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+async def run_choices(served: ServedModel, choices: list[Choice]) -> AsyncIterator[tuple[int, Any]]:
+    """All choices at once (the engine batches them); (choice index, output) as they come."""
+    if len(choices) == 1:
+        async for out in run_choice(served, choices[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, choice: Choice) -> None:
+        try:
+            async for out in run_choice(served, choice):
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:  # the client went away or a choice failed: stop the others too
+            t.cancel()
 
 
-def _usage(served: ServedModel, choices: list[Choice], n: int, tally: Tally) -> dict:
+def new_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: Tally) -> dict:
     # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
-    usage = {
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": tally.completion_tokens,
         "total_tokens": prompt_tokens + tally.completion_tokens,
     }
     if served.is_diffusion:
-        usage["steps"] = tally.steps
-    return usage
+        body["steps"] = tally.steps
+    return body
 
 
-def _record(
-    metrics: Metrics | None, served: ServedModel, usage: dict, tally: Tally, started: float
+def record(
+    metrics: Metrics | None,
+    served: ServedModel,
+    body: dict,
+    tally: Tally,
+    started: float,
+    n_choices: int,
 ) -> None:
+    """Count a finished request; one whose choices did not all finish was aborted."""
     if metrics is None:
         return
-    reason = "abort" if not tally.reasons else tally.reasons[-1]
+    complete = len(tally.reasons) == n_choices and "abort" not in tally.reasons
+    reason = tally.reasons[-1] if complete else "abort"
     metrics.observe_request(
         served.name,
-        usage["prompt_tokens"],
-        usage["completion_tokens"],
+        body["prompt_tokens"],
+        body["completion_tokens"],
         reason,
         time.perf_counter() - started,
     )
 
 
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+# ---- logprobs in the legacy completions shape -------------------------------------------------
+@dataclass(slots=True)
+class LegacyLogprobs:
+    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"}, built up as tokens come."""
+
+    tokenizer: Any
+    offset: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        text = self.tokenizer.decode([token])
+        self.tokens.append(text)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(
+            None if top is None else {self.tokenizer.decode([t]): lp for t, lp in top}
+        )
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+
+    def add_outputs(self, logprobs: list[Any]) -> None:
+        for lp in logprobs:
+            self.add(lp.token, lp.logprob, lp.top)
+
+    def body(self, start: int = 0) -> dict:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+
+@torch.inference_mode()
+def prompt_logprobs(served: ServedModel, ids: list[int], top_k: int) -> list[tuple]:
+    """(token, logprob, top) for every prompt token (the first has none): one forward pass."""
+    model = served.model
+    logits = model.logits(model(torch.tensor([ids], device=model.device)))[0].float()
+    logp = torch.log_softmax(logits, dim=-1)  # [P, V]; row i predicts token i + 1
+    out: list[tuple] = [(ids[0], None, None)]
+    for i, tok in enumerate(ids[1:]):
+        top = None
+        if top_k > 0:
+            values, idx = logp[i].topk(top_k)
+            top = list(zip(idx.tolist(), values.tolist(), strict=True))
+        out.append((tok, float(logp[i, tok]), top))
+    return out
+
+
+# ---- the two response forms -------------------------------------------------------------------
 async def complete(
     served: ServedModel,
     req: CompletionRequest,
@@ -215,37 +336,47 @@ async def complete(
 ) -> dict:
     started = time.perf_counter()
     tally = Tally()
-    out_choices = []
-    for choice in choices:
-        parts = [choice.prompt_text] if req.echo else []
-        finish = None
-        async for out in run_choice(served, choice):
-            parts.append(out.text)
-            tally.add(out)
-            finish = out.finish_reason or finish
-        out_choices.append(
-            {
-                "index": choice.index,
-                "text": "".join(parts),
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        )
-    usage = _usage(served, choices, req.n, tally)
-    _record(metrics, served, usage, tally, started)
+    texts: dict[int, list[str]] = {
+        i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
+    }
+    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
+    logprobs = {i: _start_logprobs(served, req, c) for i, c in enumerate(choices)}
+    async for i, out in run_choices(served, choices):
+        texts[i].append(out.text)
+        tally.add(out)
+        finish[i] = out.finish_reason or finish[i]
+        if logprobs[i] is not None:
+            logprobs[i].add_outputs(out.logprobs)
+    body = usage(served, choices, req.n, tally)
+    record(metrics, served, body, tally, started, len(choices))
     return {
         "id": new_id(),
         "object": "text_completion",
         "created": int(time.time()),
         "model": served.name,
-        "choices": out_choices,
-        "usage": usage,
+        "choices": [
+            {
+                "index": c.index,
+                "text": "".join(texts[i]),
+                "logprobs": None if logprobs[i] is None else logprobs[i].body(),
+                "finish_reason": finish[i],
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": body,
     }
 
 
-def _sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def _start_logprobs(
+    served: ServedModel, req: CompletionRequest, choice: Choice
+) -> LegacyLogprobs | None:
+    if req.logprobs is None:
+        return None
+    lp = LegacyLogprobs(served.tokenizer)
+    if req.echo:
+        for tok, value, top in prompt_logprobs(served, choice.prompt_ids, req.logprobs):
+            lp.add(tok, value, top)
+    return lp
 
 
 async def stream(
@@ -258,40 +389,53 @@ async def stream(
     cid, created = new_id(), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(index: int, text: str, finish: str | None) -> str:
+    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> str:
         body = {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": served.name,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            ],
         }
         if include_usage:
             body["usage"] = None
-        return _sse(body)
+        return sse(body)
 
     tally = Tally()
+    logprobs = {i: _start_logprobs(served, req, c) for i, c in enumerate(choices)}
     try:
-        for choice in choices:
-            if req.echo:
-                yield chunk(choice.index, choice.prompt_text, None)
-            async for out in run_choice(served, choice):
-                tally.add(out)
-                if out.text or out.finish_reason:
-                    yield chunk(choice.index, out.text, out.finish_reason)
+        if req.echo:
+            for i, c in enumerate(choices):
+                lp = logprobs[i]
+                yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
+        sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
+        async for i, out in run_choices(served, choices):
+            tally.add(out)
+            lp = logprobs[i]
+            if lp is not None:
+                lp.add_outputs(out.logprobs)
+            if out.text or out.finish_reason or out.token_ids:
+                body = None if lp is None else lp.body(sent[i])
+                sent[i] = len(lp.tokens) if lp else 0
+                if out.text or out.finish_reason or body:
+                    yield chunk(choices[i].index, out.text, out.finish_reason, body)
     except APIError as e:
-        yield _sse(error_body(e.status, e.message, e.param, e.code))
-    usage = _usage(served, choices, req.n, tally)
-    _record(metrics, served, usage, tally, started)
+        yield sse(error_body(e.status, e.message, e.param, e.code))
+    finally:
+        # Also when the client went away mid-stream (the generator is closed): an abort.
+        body = usage(served, choices, req.n, tally)
+        record(metrics, served, body, tally, started, len(choices))
     if include_usage:
-        yield _sse(
+        yield sse(
             {
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
                 "model": served.name,
                 "choices": [],
-                "usage": usage,
+                "usage": body,
             }
         )
-    yield _sse("[DONE]")
+    yield sse("[DONE]")

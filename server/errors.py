@@ -21,6 +21,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     503: "service_unavailable",
 }
 

@@ -8,10 +8,13 @@ DLM-specific series: steps per request, tokens finalized per step, step latency.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 PREFIX = "cdlm_serve:"
 # Buckets as vLLM's (seconds), so the same dashboards read the same ranges.
@@ -25,6 +28,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 STEP_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
                         1.0, 2.5, 5.0, 10.0)
 STEPS_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
 # fmt: on
 
@@ -72,6 +76,12 @@ class Metrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", model,
+            buckets=REQUEST_TOKENS_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Number of generation tokens processed.",
+            model, buckets=REQUEST_TOKENS_BUCKETS, registry=r)
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -117,7 +127,10 @@ class Metrics:
         self.e2e_latency.labels(model).observe(seconds)
 
     def observe_ar_sequence(self, model: str, seq: Any) -> None:
-        """Timing of a finished AR sequence (engine.ar_engine.ARSequence)."""
+        """A finished (or aborted) AR sequence (engine.ar_engine.ARSequence), as the engine
+        saw it: tokens it really decoded, and its timing."""
+        self.request_prompt_tokens.labels(model).observe(len(seq.prompt))
+        self.request_generation_tokens.labels(model).observe(seq.generated)
         times = seq.token_times
         if seq.admitted is not None:
             self.queue_time.labels(model).observe(seq.admitted - seq.arrived)
@@ -136,5 +149,39 @@ class Metrics:
             per_step.observe(n)
         self.dlm_e2e_latency.labels(model, decoding).observe(seconds)
 
+    def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float]]]) -> None:
+        """Per-model gauges read at scrape time: `read()` -> {model: (running, waiting,
+        KV cache usage fraction)}."""
+        self.registry.register(_EngineGauges(read))
+
     def render(self) -> bytes:
         return _generate_latest(self.registry)
+
+
+class _EngineGauges(Collector):
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int, float]]]):
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily(
+            PREFIX + "num_requests_running",
+            "Number of requests in model execution batches.",
+            labels=["model_name"],
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            labels=["model_name"],
+        )
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            labels=["model_name"],
+        )
+        for model, (run, wait, kv) in self.read().items():
+            running.add_metric([model], run)
+            waiting.add_metric([model], wait)
+            usage.add_metric([model], kv)
+        yield running
+        yield waiting
+        yield usage

@@ -62,6 +62,56 @@ class CompletionRequest(BaseModel):
         return v
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /v1/chat/completions (text only)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+    user: str | None = None
+    decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
+    block_size: int | None = Field(None, ge=1, le=1024)
+    threshold: float | None = Field(None, ge=0.0)
+
+    _stop_list = field_validator("stop")(CompletionRequest._stop_list.__func__)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -152,9 +152,12 @@ def test_continuous_batching_gives_each_request_its_solo_answer(setup):
     _, engine, _ = setup
     reqs = [([65, 66, 67], 12), (list(range(70, 90)), 5), ([100], 20), ([7, 8, 9, 10], 9)]
     alone = [_run(engine, p, max_tokens=n, temperature=0.0, ignore_eos=True)[0] for p, n in reqs]
-    seqs = [engine.new_sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0,
-                                                           ignore_eos=True))
-            for i, (p, n) in enumerate(reqs)]
+    seqs = [
+        engine.new_sequence(
+            f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
+        for i, (p, n) in enumerate(reqs)
+    ]
     got: dict[str, list[int]] = {}
     engine.add(seqs[0])
     engine.add(seqs[1])
@@ -172,8 +175,11 @@ def test_continuous_batching_gives_each_request_its_solo_answer(setup):
 def test_logprobs_are_log_softmax_of_the_logits(setup):
     hf, engine, _ = setup
     prompt = [72, 101, 108]
-    steps = list(engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0,
-                                                        ignore_eos=True, logprobs=2)))
+    steps = list(
+        engine.generate(
+            prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+        )
+    )
     first = steps[0].logprobs[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)

@@ -110,7 +110,6 @@ def test_prompt_forms_n_echo_and_seed(base):
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": "tiny", "prompt": [], "max_tokens": 2}, 400, "prompt"),
         ({"model": "tiny", "prompt": [999999]}, 400, "prompt"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "x", "decoding": "cdlm"}, 400, "decoding"),
         ([1, 2, 3], 400, None),
     ],

@@ -337,9 +337,11 @@ torch::Tensor linear_split(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int64_t chunk = (N + parts - 1) / parts;
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    // Worker threads do not inherit the caller's inference mode; writing into an inference
-    // tensor outside it is an error.
-    c10::InferenceMode guard(inference);
+    // Worker threads do not inherit the caller's thread-local modes: restore inference mode
+    // (writing into an inference tensor outside it is an error) and turn grad mode off (the
+    // caller only gets here when autograd has nothing to record; out= ops refuse otherwise).
+    c10::InferenceMode inference_guard(inference);
+    at::NoGradGuard no_grad;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * chunk, n1 = std::min(N, n0 + chunk);
       if (n0 >= n1) continue;

@@ -1,0 +1,172 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then the same
+engines and choice handling as completions, in the chat response shapes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.served_model import ServedModel
+from server.completions import (
+    Choice,
+    Tally,
+    new_id,
+    plan_choices,
+    record,
+    reject_unsupported,
+    run_choices,
+    sse,
+    usage,
+)
+from server.errors import APIError, error_body
+from server.metrics import Metrics
+from server.schemas import ChatCompletionRequest
+
+
+def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
+    if not getattr(served.tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            f"model {served.name!r} has no chat template; use /v1/completions",
+            param="messages",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        return served.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:  # a template that rejects the conversation (roles, order, ...)
+        raise APIError(
+            400, f"the chat template rejected the messages: {e}", param="messages"
+        ) from None
+
+
+def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
+    reject_unsupported(
+        served,
+        req,
+        {
+            "tools": bool(req.tools),
+            "response_format": req.response_format is not None
+            and req.response_format.get("type") != "text",
+            "presence_penalty": req.presence_penalty != 0.0,
+            "frequency_penalty": req.frequency_penalty != 0.0,
+            "logprobs": served.is_diffusion and req.logprobs,
+        },
+    )
+    text = render_prompt(served, req)
+    ids = served.encode(text)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return plan_choices(served, req, [(ids, text)], max_tokens, top)
+
+
+def _logprob_entry(tokenizer: Any, token: int, logprob: float) -> dict:
+    text = tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _content_logprobs(tokenizer: Any, logprobs: list[Any]) -> list[dict]:
+    return [
+        {
+            **_logprob_entry(tokenizer, lp.token, lp.logprob),
+            "top_logprobs": [_logprob_entry(tokenizer, t, v) for t, v in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+async def complete(
+    served: ServedModel,
+    req: ChatCompletionRequest,
+    choices: list[Choice],
+    metrics: Metrics | None = None,
+) -> dict:
+    started = time.perf_counter()
+    tally = Tally()
+    texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
+    logprobs: dict[int, list[dict]] = {i: [] for i in range(len(choices))}
+    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
+    async for i, out in run_choices(served, choices):
+        texts[i].append(out.text)
+        tally.add(out)
+        finish[i] = out.finish_reason or finish[i]
+        logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
+    body = usage(served, choices, req.n, tally)
+    record(metrics, served, body, tally, started, len(choices))
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(texts[i])},
+                "logprobs": {"content": logprobs[i]} if req.logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": body,
+    }
+
+
+async def stream(
+    served: ServedModel,
+    req: ChatCompletionRequest,
+    choices: list[Choice],
+    metrics: Metrics | None = None,
+) -> AsyncIterator[str]:
+    started = time.perf_counter()
+    cid, created = new_id("chatcmpl"), int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict, finish: str | None, logprobs: list | None = None) -> str:
+        body = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": served.name,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": {"content": logprobs} if req.logprobs else None,
+                    "finish_reason": finish,
+                }
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    tally = Tally()
+    try:
+        for c in choices:  # the role comes first, as OpenAI sends it
+            yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
+        async for i, out in run_choices(served, choices):
+            tally.add(out)
+            lps = _content_logprobs(served.tokenizer, out.logprobs)
+            if out.text or out.finish_reason or lps:
+                delta = {"content": out.text} if out.text else {}
+                yield chunk(choices[i].index, delta, out.finish_reason, lps)
+    except APIError as e:
+        yield sse(error_body(e.status, e.message, e.param, e.code))
+    finally:
+        # Also when the client went away mid-stream (the generator is closed): an abort.
+        body = usage(served, choices, req.n, tally)
+        record(metrics, served, body, tally, started, len(choices))
+    if include_usage:
+        yield sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": served.name,
+                "choices": [],
+                "usage": body,
+            }
+        )
+    yield sse("[DONE]")
