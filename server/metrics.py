@@ -77,11 +77,19 @@ class Metrics:
             registry=r,
         )
         self.request_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", model,
-            buckets=REQUEST_TOKENS_BUCKETS, registry=r)
+            PREFIX + "request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            model,
+            buckets=REQUEST_TOKENS_BUCKETS,
+            registry=r,
+        )
         self.request_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens", "Number of generation tokens processed.",
-            model, buckets=REQUEST_TOKENS_BUCKETS, registry=r)
+            PREFIX + "request_generation_tokens",
+            "Number of generation tokens processed.",
+            model,
+            buckets=REQUEST_TOKENS_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
