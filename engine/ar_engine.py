@@ -157,23 +157,37 @@ class AREngine:
         return self.cache
 
     def _admit(self) -> list[StepOutput]:
-        outputs = []
-        while self.waiting and len(self.running) < self.max_batch:
+        """Prefill every waiting sequence that fits, all in one padded forward."""
+        outputs, new = [], []
+        while self.waiting and len(self.running) + len(new) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.aborted():
                 outputs.append(StepOutput(seq.id, [], "", "abort"))
                 continue
             seq.admitted = time.perf_counter()
-            seq.row = len(self.running)
-            self.running.append(seq)
-            cache = self._cache_for(len(seq.prompt) + 1)
+            seq.row = len(self.running) + len(new)
+            new.append(seq)
+        if not new:
+            return outputs
+        first = new[0].row
+        width = max(len(s.prompt) for s in new)
+        cache = self._cache_for(width + 1)
+        for seq in new:
             cache.reset(seq.row)
-            view = cache.rows(seq.row, seq.row + 1)
-            ids = torch.tensor([seq.prompt], device=self.model.device)
-            hidden = self.model(ids, cache=view)  # [1, P, hidden]
-            cache.absorb(view, seq.row)
-            logits = self.model.logits(hidden[:, -1])  # [1, V]
-            outputs.append(self._accept(seq, logits[0]))
+        device = self.model.device
+        ids = torch.zeros(len(new), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(new), width, dtype=torch.bool, device=device)
+        for i, seq in enumerate(new):
+            ids[i, : len(seq.prompt)] = torch.tensor(seq.prompt, device=device)
+            valid[i, : len(seq.prompt)] = True
+        view = cache.rows(first, first + len(new))
+        ragged = any(len(s.prompt) != width for s in new)
+        hidden = self.model(ids, cache=view, valid=valid if ragged else None)  # [k, W, hidden]
+        cache.absorb(view, first)
+        last = torch.tensor([len(s.prompt) - 1 for s in new], device=device)
+        logits = self.model.logits(hidden[torch.arange(len(new), device=device), last])
+        self.running.extend(new)
+        outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(new)]
         return outputs
 
     def _decode(self) -> list[StepOutput]:

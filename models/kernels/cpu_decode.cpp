@@ -471,16 +471,19 @@ class DecodeStack {
 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)");
-  m.def("linear_split", &linear_split, "x @ W^T (+ bias), N split across threads");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm");
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation");
-  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place");
-  m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax");
+  // The kernels touch no Python objects: let other Python threads (the HTTP event loop) run
+  // while a decode step computes.
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)", nogil);
+  m.def("linear_split", &linear_split, "x @ W^T (+ bias), N split across threads", nogil);
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm", nogil);
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm", nogil);
+  m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation", nogil);
+  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place", nogil);
+  m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache", nogil);
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward, nogil);
 }

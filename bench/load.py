@@ -1,0 +1,253 @@
+"""Load test: bounded concurrent clients against our server, then against `transformers serve`
+on the same model and prompts, side by side.
+
+    python -m bench.load [--concurrency 8] [--requests 48] [--max-tokens 64] [--json out.json]
+    python -m bench.load --soak 300 --no-peer        # RSS growth over a 5-minute soak
+
+Both servers are started here on 127.0.0.1 (ours with `cdlm-serve serve`, the peer with
+`transformers serve --continuous-batching`, its strongest configuration), both bf16 on the CPU.
+Requests stream (`/v1/completions`, greedy); reported: aggregate generated tokens/s over the
+run's wall time, time to first token and end-to-end latency (p50/p99), errors (any non-200 or
+broken stream) and 5xx, and our server's resident memory before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from models.sources import DEFAULT_AR_MODEL, resolve
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain, step by step, how a refrigerator keeps food cold.",
+    "Describe the city of Paris to someone who has never been there.",
+    "List ten ideas for a rainy afternoon and say why each one is fun.",
+    "Tell me about the history of the printing press.",
+    "What should a beginner know before planting a vegetable garden?",
+    "Summarize the plot of a mystery novel you would like to read.",
+    "Give advice to a student preparing for their first job interview.",
+]
+
+
+@dataclass(slots=True)
+class Result:
+    tokens: int = 0
+    errors: int = 0
+    server_errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    wall: float = 0.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start(cmd: list[str], url: str, log: Path, timeout: float = 600) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited: see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise TimeoutError(f"{cmd[0]} did not become healthy: see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                      max_tokens: int, count, result: Result) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = None
+    text, usage = [], None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.errors += 1
+                result.server_errors += r.status_code >= 500
+                await r.aread()
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for c in chunk.get("choices") or []:
+                    if c.get("text"):
+                        first = first or time.perf_counter()
+                        text.append(c["text"])
+    except (httpx.HTTPError, json.JSONDecodeError):
+        result.errors += 1
+        return
+    done = time.perf_counter()
+    result.tokens += usage["completion_tokens"] if usage else count("".join(text))
+    result.ttft.append((first or done) - started)
+    result.e2e.append(done - started)
+
+
+async def run_load(url: str, model: str, concurrency: int, requests: int, duration: float,
+                   max_tokens: int, count) -> Result:
+    result = Result()
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    deadline = time.perf_counter() + duration if duration else None
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        i = 0
+        while True:
+            if deadline is not None:
+                if time.perf_counter() > deadline:
+                    return
+                i += 1
+            else:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+            await one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, count,
+                              result)
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    result.wall = time.perf_counter() - started
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def summary(r: Result) -> dict:
+    return {"tok_s": round(r.tokens / r.wall, 2), "tokens": r.tokens, "requests": len(r.e2e),
+            "errors": r.errors, "server_errors": r.server_errors, "wall_s": round(r.wall, 2),
+            "ttft_p50": round(pct(r.ttft, 0.5), 3), "ttft_p99": round(pct(r.ttft, 0.99), 3),
+            "e2e_p50": round(pct(r.e2e, 0.5), 3), "e2e_p99": round(pct(r.e2e, 0.99), 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_AR_MODEL)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--soak", type=float, default=0.0, help="run ours for this many seconds")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--logs", type=Path, default=Path("/tmp"))
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    folder = resolve(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False).input_ids)
+
+    out: dict = {"model": args.model, "concurrency": args.concurrency,
+                 "max_tokens": args.max_tokens}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ours = start([sys.executable, "-m", "server.cli", "serve", "--model", f"m={folder}",
+                  "--port", str(port), "--dtype", "bfloat16", "--device", "cpu",
+                  "--max-batch", str(args.concurrency), "--log-level", "warning"],
+                 url, args.logs / "bench_load_ours.log")
+    try:
+        asyncio.run(run_load(url, "m", args.concurrency, args.concurrency, 0, 8, count))  # warm
+        rss_before = rss_mb(ours.pid)
+        r = asyncio.run(run_load(url, "m", args.concurrency, args.requests, args.soak,
+                                 args.max_tokens, count))
+        rss_after = rss_mb(ours.pid)
+    finally:
+        stop(ours)
+    out["ours"] = summary(r)
+    out["rss_mb_before"], out["rss_mb_after"] = round(rss_before, 1), round(rss_after, 1)
+    out["rss_growth"] = round((rss_after - rss_before) / rss_before, 4)
+
+    if args.peer:
+        port = free_port()
+        purl = f"http://127.0.0.1:{port}"
+        peer = start(["transformers", "serve", str(folder), "--continuous-batching",
+                      "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1",
+                      "--port", str(port)], purl, args.logs / "bench_load_peer.log")
+        try:
+            asyncio.run(run_load(purl, str(folder), args.concurrency, args.concurrency, 0, 8,
+                                 count))
+            pr = asyncio.run(run_load(purl, str(folder), args.concurrency, args.requests, 0,
+                                      args.max_tokens, count))
+            out["peer_rss_mb"] = round(rss_mb(peer.pid), 1)
+        finally:
+            stop(peer)
+        out["peer"] = summary(pr)
+    ours_tok_s = out["ours"]["tok_s"]
+    peer_tok_s = out.get("peer", {}).get("tok_s")
+    out.update({"ours_tok_s": ours_tok_s, "peer_tok_s": peer_tok_s,
+                "ratio": round(ours_tok_s / peer_tok_s, 2) if peer_tok_s else None,
+                "errors": out["ours"]["errors"]})
+    _print(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _print(out: dict) -> None:
+    print(f"\nload: {out['model']}, concurrency {out['concurrency']}, max_tokens "
+          f"{out['max_tokens']}, streaming, greedy, bf16 on CPU")
+    print(f"{'':22}{'tok/s':>8}{'TTFT p50/p99 (s)':>20}{'e2e p50/p99 (s)':>20}{'errors':>8}")
+    for name, key in (("ours", "ours"), ("transformers serve", "peer")):
+        if key in out:
+            s = out[key]
+            print(f"{name:22}{s['tok_s']:>8.1f}{s['ttft_p50']:>10.2f}/{s['ttft_p99']:<9.2f}"
+                  f"{s['e2e_p50']:>10.2f}/{s['e2e_p99']:<9.2f}{s['errors']:>8}")
+    if out.get("ratio"):
+        print(f"ratio {out['ratio']:.2f}x")
+    print(f"our RSS {out['rss_mb_before']} MB -> {out['rss_mb_after']} MB "
+          f"({100 * out['rss_growth']:+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
