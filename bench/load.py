@@ -66,8 +66,9 @@ def rss_mb(pid: int) -> float:
 
 
 def start(cmd: list[str], url: str, log: Path, timeout: float = 600) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -91,10 +92,23 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int, count, result: Result) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    count,
+    result: Result,
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     first = None
     text, usage = [], None
@@ -124,8 +138,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     result.e2e.append(done - started)
 
 
-async def run_load(url: str, model: str, concurrency: int, requests: int, duration: float,
-                   max_tokens: int, count) -> Result:
+async def run_load(
+    url: str, model: str, concurrency: int, requests: int, duration: float, max_tokens: int, count
+) -> Result:
     result = Result()
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
@@ -144,8 +159,9 @@ async def run_load(url: str, model: str, concurrency: int, requests: int, durati
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-            await one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, count,
-                              result)
+            await one_request(
+                client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, count, result
+            )
 
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
@@ -162,10 +178,18 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary(r: Result) -> dict:
-    return {"tok_s": round(r.tokens / r.wall, 2), "tokens": r.tokens, "requests": len(r.e2e),
-            "errors": r.errors, "server_errors": r.server_errors, "wall_s": round(r.wall, 2),
-            "ttft_p50": round(pct(r.ttft, 0.5), 3), "ttft_p99": round(pct(r.ttft, 0.99), 3),
-            "e2e_p50": round(pct(r.e2e, 0.5), 3), "e2e_p99": round(pct(r.e2e, 0.99), 3)}
+    return {
+        "tok_s": round(r.tokens / r.wall, 2),
+        "tokens": r.tokens,
+        "requests": len(r.e2e),
+        "errors": r.errors,
+        "server_errors": r.server_errors,
+        "wall_s": round(r.wall, 2),
+        "ttft_p50": round(pct(r.ttft, 0.5), 3),
+        "ttft_p99": round(pct(r.ttft, 0.99), 3),
+        "e2e_p50": round(pct(r.e2e, 0.5), 3),
+        "e2e_p99": round(pct(r.e2e, 0.99), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,19 +212,41 @@ def main(argv: list[str] | None = None) -> dict:
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False).input_ids)
 
-    out: dict = {"model": args.model, "concurrency": args.concurrency,
-                 "max_tokens": args.max_tokens}
+    out: dict = {
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+    }
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    ours = start([sys.executable, "-m", "server.cli", "serve", "--model", f"m={folder}",
-                  "--port", str(port), "--dtype", "bfloat16", "--device", "cpu",
-                  "--max-batch", str(args.concurrency), "--log-level", "warning"],
-                 url, args.logs / "bench_load_ours.log")
+    ours = start(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--model",
+            f"m={folder}",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
+            "--max-batch",
+            str(args.concurrency),
+            "--log-level",
+            "warning",
+        ],
+        url,
+        args.logs / "bench_load_ours.log",
+    )
     try:
         asyncio.run(run_load(url, "m", args.concurrency, args.concurrency, 0, 8, count))  # warm
         rss_before = rss_mb(ours.pid)
-        r = asyncio.run(run_load(url, "m", args.concurrency, args.requests, args.soak,
-                                 args.max_tokens, count))
+        r = asyncio.run(
+            run_load(url, "m", args.concurrency, args.requests, args.soak, args.max_tokens, count)
+        )
         rss_after = rss_mb(ours.pid)
     finally:
         stop(ours)
@@ -211,23 +257,47 @@ def main(argv: list[str] | None = None) -> dict:
     if args.peer:
         port = free_port()
         purl = f"http://127.0.0.1:{port}"
-        peer = start(["transformers", "serve", str(folder), "--continuous-batching",
-                      "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1",
-                      "--port", str(port)], purl, args.logs / "bench_load_peer.log")
+        peer = start(
+            [
+                "transformers",
+                "serve",
+                str(folder),
+                "--continuous-batching",
+                "--dtype",
+                "bfloat16",
+                "--device",
+                "cpu",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            purl,
+            args.logs / "bench_load_peer.log",
+        )
         try:
-            asyncio.run(run_load(purl, str(folder), args.concurrency, args.concurrency, 0, 8,
-                                 count))
-            pr = asyncio.run(run_load(purl, str(folder), args.concurrency, args.requests, 0,
-                                      args.max_tokens, count))
+            asyncio.run(
+                run_load(purl, str(folder), args.concurrency, args.concurrency, 0, 8, count)
+            )
+            pr = asyncio.run(
+                run_load(
+                    purl, str(folder), args.concurrency, args.requests, 0, args.max_tokens, count
+                )
+            )
             out["peer_rss_mb"] = round(rss_mb(peer.pid), 1)
         finally:
             stop(peer)
         out["peer"] = summary(pr)
     ours_tok_s = out["ours"]["tok_s"]
     peer_tok_s = out.get("peer", {}).get("tok_s")
-    out.update({"ours_tok_s": ours_tok_s, "peer_tok_s": peer_tok_s,
-                "ratio": round(ours_tok_s / peer_tok_s, 2) if peer_tok_s else None,
-                "errors": out["ours"]["errors"]})
+    out.update(
+        {
+            "ours_tok_s": ours_tok_s,
+            "peer_tok_s": peer_tok_s,
+            "ratio": round(ours_tok_s / peer_tok_s, 2) if peer_tok_s else None,
+            "errors": out["ours"]["errors"],
+        }
+    )
     _print(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
@@ -235,18 +305,24 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print(out: dict) -> None:
-    print(f"\nload: {out['model']}, concurrency {out['concurrency']}, max_tokens "
-          f"{out['max_tokens']}, streaming, greedy, bf16 on CPU")
+    print(
+        f"\nload: {out['model']}, concurrency {out['concurrency']}, max_tokens "
+        f"{out['max_tokens']}, streaming, greedy, bf16 on CPU"
+    )
     print(f"{'':22}{'tok/s':>8}{'TTFT p50/p99 (s)':>20}{'e2e p50/p99 (s)':>20}{'errors':>8}")
     for name, key in (("ours", "ours"), ("transformers serve", "peer")):
         if key in out:
             s = out[key]
-            print(f"{name:22}{s['tok_s']:>8.1f}{s['ttft_p50']:>10.2f}/{s['ttft_p99']:<9.2f}"
-                  f"{s['e2e_p50']:>10.2f}/{s['e2e_p99']:<9.2f}{s['errors']:>8}")
+            print(
+                f"{name:22}{s['tok_s']:>8.1f}{s['ttft_p50']:>10.2f}/{s['ttft_p99']:<9.2f}"
+                f"{s['e2e_p50']:>10.2f}/{s['e2e_p99']:<9.2f}{s['errors']:>8}"
+            )
     if out.get("ratio"):
         print(f"ratio {out['ratio']:.2f}x")
-    print(f"our RSS {out['rss_mb_before']} MB -> {out['rss_mb_after']} MB "
-          f"({100 * out['rss_growth']:+.1f}%)")
+    print(
+        f"our RSS {out['rss_mb_before']} MB -> {out['rss_mb_after']} MB "
+        f"({100 * out['rss_growth']:+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

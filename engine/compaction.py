@@ -1,0 +1,240 @@
+"""Attention Matching KV compaction (arXiv:2602.16284), per layer and KV head, in fp32.
+
+For one KV head: original keys K [T, D] (post-RoPE), values V [T, D], an optional bias b [T]
+(already-compacted slots carry one), and reference queries Q [n, D] (every query head of the
+GQA group, pooled). The compacted block is keys C_k [t, D], biases beta [t], values C_v [t, D],
+chosen so that for the reference queries it reproduces
+
+- the attention mass  m_i = sum_j exp(s_ij - max_i)          (s = Q K^T * scale + b), and
+- the attention output  y_i = softmax(s_i) V,
+
+which together make the compacted block a drop-in for the original inside any larger softmax.
+
+1. keys: a subset of the original keys — the t with the highest aggregated attention
+   (HighestAttnKeys: RMS, mean or max over queries), or Orthogonal Matching Pursuit on the
+   mass target (pick the keys whose exp-score columns best explain the residual mass, k at a
+   time, refitting every r iterations; "fast" = 4 and 2), always with a final refit;
+2. beta = log w, with w >= 0 the nonnegative least-squares fit of the exp-score columns of the
+   chosen keys to the mass (rows stabilized by their max), w clamped away from 0;
+3. C_v = least squares of the compacted softmax weights against the original outputs (ridge
+   when ill-conditioned).
+
+Token-selection baselines (StreamingLLM, H2O, SnapKV, random, KVzip-style) share the interface:
+they pick keys, keep their values and add no bias.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+from torch import Tensor
+
+Aggregate = Literal["rms", "mean", "max"]
+MIN_WEIGHT = 1e-6  # w is clamped here before the log: beta >= log(1e-6) ~ -13.8
+
+
+@dataclass(slots=True)
+class HeadInputs:
+    keys: Tensor  # [T, D] post-RoPE
+    values: Tensor  # [T, D]
+    queries: Tensor  # [n, D] reference queries (the group's heads pooled), post-RoPE
+    scale: float
+    bias: Tensor | None = None  # [T] additive bias already on these slots
+
+    def scores(self) -> Tensor:
+        """[n, T] fp32 attention scores."""
+        s = self.queries.float() @ self.keys.float().T * self.scale
+        return s if self.bias is None else s + self.bias.float()
+
+
+@dataclass(slots=True)
+class HeadResult:
+    index: Tensor  # [t] chosen slots of the original block
+    keys: Tensor  # [t, D]
+    bias: Tensor  # [t]
+    values: Tensor  # [t, D]
+
+
+# ---- targets ---------------------------------------------------------------------------------
+def targets(h: HeadInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """(E [n, T] = exp(s - rowmax), mass m [n], outputs Y [n, D]) of the original block."""
+    s = h.scores()
+    e = torch.exp(s - s.max(dim=1, keepdim=True).values)
+    m = e.sum(dim=1)
+    y = (e @ h.values.float()) / m[:, None]
+    return e, m, y
+
+
+# ---- key selection ---------------------------------------------------------------------------
+def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
+    """The t keys the reference queries attend to most (aggregated over queries)."""
+    p = torch.softmax(h.scores(), dim=1)  # [n, T]
+    if aggregate == "rms":
+        score = p.pow(2).mean(dim=0).sqrt()
+    elif aggregate == "mean":
+        score = p.mean(dim=0)
+    else:
+        score = p.max(dim=0).values
+    return score.topk(t).indices.sort().values
+
+
+def omp(h: HeadInputs, t: int, per_iter: int = 1, refit_every: int = 1) -> Tensor:
+    """Orthogonal Matching Pursuit on the mass target: repeatedly add the keys whose exp-score
+    columns correlate best with the mass not yet explained, refitting the nonnegative weights
+    every `refit_every` iterations."""
+    e, m, _ = targets(h)  # E [n, T], m [n]
+    norms = e.norm(dim=0).clamp_min(1e-12)  # [T]
+    chosen: list[int] = []
+    available = torch.ones(e.shape[1], dtype=torch.bool)
+    residual = m.clone()
+    w = torch.zeros(0)
+    iteration = 0
+    while len(chosen) < t:
+        corr = (e.T @ residual) / norms  # [T]
+        corr[~available] = -math.inf
+        take = corr.topk(min(per_iter, t - len(chosen))).indices.tolist()
+        chosen += take
+        available[take] = False
+        iteration += 1
+        if iteration % refit_every == 0 or len(chosen) == t:
+            w = nonnegative_weights(e[:, chosen], m)
+            residual = m - e[:, chosen] @ w
+        else:  # between refits, extend the old fit with zero weights for the new keys
+            w = torch.cat([w, torch.zeros(len(take))])
+    return torch.tensor(sorted(chosen))
+
+
+# ---- beta and values -------------------------------------------------------------------------
+def nonnegative_weights(a: Tensor, m: Tensor) -> Tensor:
+    """argmin_{w >= 0} ||a w - m||  (a [n, t], m [n]), in float64 via SciPy's NNLS."""
+    w, _ = nnls(a.double().numpy(), m.double().numpy(), maxiter=50 * a.shape[1] + 100)
+    return torch.from_numpy(np.asarray(w)).float()
+
+
+def fit_values(x: Tensor, y: Tensor, ridge: float = 1e-6) -> Tensor:
+    """argmin_C ||x C - y||^2 (x [n, t], y [n, D]); plain least squares, with a small ridge if
+    x^T x is ill-conditioned."""
+    gram = x.double().T @ x.double()
+    rhs = x.double().T @ y.double()
+    if torch.linalg.cond(gram) < 1e10:
+        return torch.linalg.solve(gram, rhs).float()
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+    return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, rhs).float()
+
+
+def fit(h: HeadInputs, index: Tensor) -> HeadResult:
+    """Given chosen keys, fit beta (mass) then C_v (outputs)."""
+    _, m, y = targets(h)
+    s = h.queries.float() @ h.keys[index].float().T * h.scale  # [n, t], without old bias
+    rowmax = h.scores().max(dim=1, keepdim=True).values
+    a = torch.exp(s - rowmax)  # same stabilization as the target
+    w = nonnegative_weights(a, m).clamp_min(MIN_WEIGHT)
+    beta = torch.log(w)
+    x = a * w  # [n, t] unnormalized weights of the compacted block
+    x = x / x.sum(dim=1, keepdim=True)
+    values = fit_values(x, y)
+    return HeadResult(index, h.keys[index].float(), beta, values)
+
+
+def keep(h: HeadInputs, index: Tensor) -> HeadResult:
+    """Token selection: the chosen keys with their own values and bias."""
+    bias = h.bias[index].float() if h.bias is not None else torch.zeros(len(index))
+    return HeadResult(index, h.keys[index].float(), bias, h.values[index].float())
+
+
+# ---- baselines' key choices ------------------------------------------------------------------
+def streaming(total: int, t: int, sinks: int = 4) -> Tensor:
+    """StreamingLLM: the first `sinks` tokens and the most recent t - sinks."""
+    sinks = min(sinks, t)
+    return torch.cat([torch.arange(sinks), torch.arange(total - (t - sinks), total)])
+
+
+def h2o(h: HeadInputs, t: int) -> Tensor:
+    """H2O: the keys with the largest attention accumulated over the (context) queries."""
+    return torch.softmax(h.scores(), dim=1).sum(dim=0).topk(t).indices.sort().values
+
+
+def snapkv(h: HeadInputs, t: int, window: int = 32, kernel: int = 7) -> Tensor:
+    """SnapKV: attention from the last `window` queries, max-pooled over neighbouring keys;
+    the window's own keys are always kept."""
+    total = h.keys.shape[0]
+    window = min(window, total, t)
+    q = h.queries[-window:]
+    s = q.float() @ h.keys.float().T * h.scale
+    if h.bias is not None:
+        s = s + h.bias.float()
+    votes = torch.softmax(s, dim=1).sum(dim=0)[: total - window]  # [T - window]
+    pooled = torch.nn.functional.max_pool1d(votes[None, None], kernel, 1, kernel // 2)[0, 0]
+    chosen = pooled.topk(t - window).indices if t > window else torch.zeros(0, dtype=torch.long)
+    return torch.cat([chosen, torch.arange(total - window, total)]).sort().values
+
+
+def random_keys(total: int, t: int, generator: torch.Generator) -> Tensor:
+    return torch.randperm(total, generator=generator)[:t].sort().values
+
+
+def kvzip(h: HeadInputs, t: int) -> Tensor:
+    """KVzip-style: keys by their maximum attention from repeat-the-context queries."""
+    return highest_attention(h, t, "max")
+
+
+# ---- one head, any method ---------------------------------------------------------------------
+METHODS = (
+    "am-omp",
+    "am-omp-fast",
+    "am-highest",
+    "am-highest-fast",
+    "snapkv",
+    "h2o",
+    "streaming",
+    "kvzip",
+    "random",
+)
+
+
+def compact_head(
+    h: HeadInputs, t: int, method: str, generator: torch.Generator | None = None
+) -> HeadResult:
+    total = h.keys.shape[0]
+    if not 1 <= t <= total:
+        raise ValueError(f"target size {t} outside [1, {total}]")
+    if method == "am-omp":
+        return fit(h, omp(h, t))
+    if method == "am-omp-fast":
+        return fit(h, omp(h, t, per_iter=4, refit_every=2))
+    if method in ("am-highest", "am-highest-fast"):
+        return fit(h, highest_attention(h, t))
+    if method == "snapkv":
+        return keep(h, snapkv(h, t))
+    if method == "h2o":
+        return keep(h, h2o(h, t))
+    if method == "streaming":
+        return keep(h, streaming(total, t))
+    if method == "kvzip":
+        return keep(h, kvzip(h, t))
+    if method == "random":
+        return keep(h, random_keys(total, t, generator or torch.Generator().manual_seed(0)))
+    raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
+
+
+def relative_output_error(h: HeadInputs, r: HeadResult) -> float:
+    """||y_compacted - y|| / ||y|| over the reference queries."""
+    _, _, y = targets(h)
+    s = h.queries.float() @ r.keys.T * h.scale + r.bias
+    y_hat = torch.softmax(s, dim=1) @ r.values
+    return float((y_hat - y).norm() / y.norm().clamp_min(1e-12))
+
+
+def mass_error(h: HeadInputs, r: HeadResult) -> float:
+    """Relative error of the attention mass sum_j exp(s_j) over the reference queries."""
+    s = h.scores()
+    mx = s.max(dim=1, keepdim=True).values
+    m = torch.exp(s - mx).sum(dim=1)
+    s_hat = h.queries.float() @ r.keys.T * h.scale + r.bias
+    m_hat = torch.exp(s_hat - mx).sum(dim=1)
+    return float((m_hat - m).norm() / m.norm())

@@ -1,0 +1,89 @@
+"""Attention Matching on single heads with known answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.compaction import (
+    METHODS,
+    HeadInputs,
+    compact_head,
+    fit,
+    keep,
+    mass_error,
+    relative_output_error,
+)
+
+
+def _head(total: int = 200, n: int = 300, dim: int = 32, seed: int = 0) -> HeadInputs:
+    """Queries that concentrate on a few "hot" keys plus noise, as real attention does."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(total, dim, generator=gen)
+    hot = keys[torch.randint(0, 8, (n,), generator=gen)]
+    queries = 0.7 * torch.randn(n, dim, generator=gen) + 1.5 * hot
+    return HeadInputs(keys, torch.randn(total, dim, generator=gen), queries, dim**-0.5)
+
+
+def test_keeping_every_key_reproduces_output_and_mass():
+    h = _head()
+    r = fit(h, torch.arange(200))
+    assert relative_output_error(h, r) <= 1e-4
+    assert mass_error(h, r) <= 1e-4
+    # beta = log 1; keys that get almost no attention determine their weight only loosely.
+    assert r.bias.abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("method", ["am-highest", "am-omp-fast"])
+def test_output_error_falls_as_the_budget_grows(method):
+    h = _head()
+    errors = [relative_output_error(h, compact_head(h, t, method)) for t in (10, 25, 50, 100)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0]
+
+
+def test_beta_is_what_matches_the_mass():
+    h = _head()
+    r = fit(h, compact_head(h, 20, "am-highest").index)
+    without = keep(h, r.index)  # the same keys, no bias, original values
+    assert mass_error(h, r) < 0.5 * mass_error(h, without)
+    assert relative_output_error(h, r) < relative_output_error(h, without)
+
+
+def test_omp_beats_highest_attention_on_mass():
+    h = _head(seed=3)
+    omp_err = mass_error(h, compact_head(h, 20, "am-omp"))
+    top_err = mass_error(h, compact_head(h, 20, "am-highest"))
+    assert omp_err < top_err
+
+
+def test_recompaction_accounts_for_existing_bias():
+    """A block that already carries biases (a compacted segment) compacts again exactly."""
+    h = _head()
+    h.bias = torch.randn(200, generator=torch.Generator().manual_seed(9))
+    r = fit(h, torch.arange(200))
+    assert relative_output_error(h, r) <= 1e-4 and mass_error(h, r) <= 1e-4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_returns_t_distinct_slots(method):
+    h = _head()
+    r = compact_head(h, 40, method)
+    assert len(r.index) == 40 == len(set(r.index.tolist()))
+    assert r.keys.shape == (40, 32) and r.values.shape == (40, 32) and r.bias.shape == (40,)
+
+
+def test_attention_matching_beats_token_selection():
+    h = _head(seed=5)
+    am = relative_output_error(h, compact_head(h, 20, "am-highest"))
+    for baseline in ("h2o", "streaming", "random", "snapkv"):
+        assert am < 0.5 * relative_output_error(h, compact_head(h, 20, baseline)), baseline
+
+
+def test_bad_sizes_and_methods_are_refused():
+    h = _head()
+    with pytest.raises(ValueError):
+        compact_head(h, 0, "am-highest")
+    with pytest.raises(ValueError):
+        compact_head(h, 201, "am-highest")
+    with pytest.raises(ValueError, match="unknown"):
+        compact_head(h, 10, "magic")
