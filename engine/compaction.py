@@ -26,6 +26,7 @@ they pick keys, keep their values and add no bias.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -127,17 +128,34 @@ def fit_values(x: Tensor, y: Tensor, ridge: float = 1e-6) -> Tensor:
     return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, rhs).float()
 
 
-def fit(h: HeadInputs, index: Tensor) -> HeadResult:
+class _Clock:
+    """Adds wall time per stage into a dict (no-op without one)."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings = timings
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.last
+        self.last = now
+
+
+def fit(h: HeadInputs, index: Tensor, timings: dict[str, float] | None = None) -> HeadResult:
     """Given chosen keys, fit beta (mass) then C_v (outputs)."""
+    clock = _Clock(timings)
     _, m, y = targets(h)
     s = h.queries.float() @ h.keys[index].float().T * h.scale  # [n, t], without old bias
     rowmax = h.scores().max(dim=1, keepdim=True).values
     a = torch.exp(s - rowmax)  # same stabilization as the target
     w = nonnegative_weights(a, m).clamp_min(MIN_WEIGHT)
     beta = torch.log(w)
+    clock.lap("beta")
     x = a * w  # [n, t] unnormalized weights of the compacted block
     x = x / x.sum(dim=1, keepdim=True)
     values = fit_values(x, y)
+    clock.lap("values")
     return HeadResult(index, h.keys[index].float(), beta, values)
 
 
@@ -197,29 +215,45 @@ METHODS = (
 )
 
 
-def compact_head(
+def select_keys(
     h: HeadInputs, t: int, method: str, generator: torch.Generator | None = None
-) -> HeadResult:
+) -> Tensor:
     total = h.keys.shape[0]
     if not 1 <= t <= total:
         raise ValueError(f"target size {t} outside [1, {total}]")
     if method == "am-omp":
-        return fit(h, omp(h, t))
+        return omp(h, t)
     if method == "am-omp-fast":
-        return fit(h, omp(h, t, per_iter=4, refit_every=2))
+        return omp(h, t, per_iter=4, refit_every=2)
     if method in ("am-highest", "am-highest-fast"):
-        return fit(h, highest_attention(h, t))
+        return highest_attention(h, t)
     if method == "snapkv":
-        return keep(h, snapkv(h, t))
+        return snapkv(h, t)
     if method == "h2o":
-        return keep(h, h2o(h, t))
+        return h2o(h, t)
     if method == "streaming":
-        return keep(h, streaming(total, t))
+        return streaming(total, t)
     if method == "kvzip":
-        return keep(h, kvzip(h, t))
+        return kvzip(h, t)
     if method == "random":
-        return keep(h, random_keys(total, t, generator or torch.Generator().manual_seed(0)))
+        return random_keys(total, t, generator or torch.Generator().manual_seed(0))
     raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
+
+
+def compact_head(
+    h: HeadInputs,
+    t: int,
+    method: str,
+    generator: torch.Generator | None = None,
+    timings: dict[str, float] | None = None,
+) -> HeadResult:
+    """Compact one head to t slots with `method`; stage times add into `timings`."""
+    clock = _Clock(timings)
+    index = select_keys(h, t, method, generator)
+    clock.lap("keys")
+    if method.startswith("am-"):
+        return fit(h, index, timings)
+    return keep(h, index)
 
 
 def relative_output_error(h: HeadInputs, r: HeadResult) -> float:

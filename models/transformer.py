@@ -8,7 +8,8 @@ checkpoint's separate matrices). What differs per family lives in `ModelConfig` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, **kw)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        # When a list, every forward appends its post-RoPE queries [B, H, Q, D] (Attention
+        # Matching's reference queries); see `models.transformer.capture_queries`.
+        self.captured: list[Tensor] | None = None
 
     def forward(
         self,
@@ -75,6 +79,8 @@ class Attention(nn.Module):
         # q and k rotate together: one pass instead of two.
         qkv = kernels.rotate_qk(qkv, cos, sin, h + hkv, d)
         q = qkv[..., : h * d].view(batch, q_len, h, d).transpose(1, 2)  # [B, H, Q, D]
+        if self.captured is not None:
+            self.captured.append(q.detach().float().clone())
         k = qkv[..., h * d : (h + hkv) * d].view(batch, q_len, hkv, d).transpose(1, 2)
         v = qkv[..., (h + hkv) * d :].view(batch, q_len, hkv, d).transpose(1, 2)  # [B,Hkv,Q,D]
 
@@ -123,6 +129,24 @@ class Block(nn.Module):
         h = self.attn(h, cos, sin, mask, cache, layer)
         h, residual = self.mlp_norm.add_forward(h, residual)
         return self.mlp(h), residual
+
+
+@contextmanager
+def capture_queries(model: Transformer) -> Iterator[list[list[Tensor]]]:
+    """Collect every layer's post-RoPE queries while the block runs: yields a list with, per
+    layer, the [B, H, Q, D] tensors of each forward. Uses the PyTorch path (the fused decode
+    step does not capture), so run ordinary forwards inside."""
+    layers = [block.attn for block in model.layers]
+    out: list[list[Tensor]] = [[] for _ in layers]
+    for attn, sink in zip(layers, out, strict=True):
+        attn.captured = sink
+    model._capturing = True
+    try:
+        yield out
+    finally:
+        model._capturing = False
+        for attn in layers:
+            attn.captured = None
 
 
 class Transformer(nn.Module):
@@ -193,7 +217,8 @@ class Transformer(nn.Module):
             cache.ensure_capacity(max(cache.lengths) + q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
-        if cache is not None and q_len == 1 and valid is None and commit is not False:
+        fused_ok = not getattr(self, "_capturing", False)
+        if cache is not None and q_len == 1 and valid is None and commit is not False and fused_ok:
             stack = kernels.decode_stack(self)
             if stack is not None:
                 # One new token per row, committed: the fused C++ step runs every layer.

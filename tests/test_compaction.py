@@ -87,3 +87,90 @@ def test_bad_sizes_and_methods_are_refused():
         compact_head(h, 201, "am-highest")
     with pytest.raises(ValueError, match="unknown"):
         compact_head(h, 10, "magic")
+
+
+# ---- a whole model's cache ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import tiny_models
+    from models.loading import load_model
+
+    folder = tmp_path_factory.mktemp("llama")
+    tiny_models.hf_tiny(
+        "llama",
+        folder,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+    )
+    model, _ = load_model(folder)
+    return model, tiny_models.byte_tokenizer()
+
+
+def _prefilled(model, ids):
+    cache = model.new_cache(1, 256)
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=cache)
+    return cache
+
+
+def _next_logits(model, cache, token):
+    with torch.no_grad():
+        return model.logits(model(torch.tensor([[token]]), cache=cache))[0, -1]
+
+
+@pytest.mark.parametrize("source", ["context", "repeat", "self-study"])
+def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
+    from engine.compactor import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = _next_logits(model, _prefilled(model, ids), 7)
+    cache = _prefilled(model, ids)
+    report = compact_row(
+        model,
+        tok,
+        cache,
+        0,
+        ids,
+        target=50,
+        method="am-highest",
+        query_source=source,
+        keep_recent=10,
+    )
+    assert (report.tokens_before, report.tokens_after, report.logical_length) == (60, 60, 60)
+    assert report.reference_queries > 0 and report.output_error <= 1e-3
+    assert set(report.seconds) >= {"queries", "keys", "beta", "values", "total"}
+    assert (_next_logits(model, cache, 7) - ref).abs().max().item() <= 1e-3
+
+
+def test_compacted_cache_continues_from_the_logical_length(tiny):
+    from engine.compactor import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = _next_logits(model, _prefilled(model, ids), 7)
+    errors = {}
+    for method in ("am-highest", "streaming"):
+        cache = _prefilled(model, ids)
+        report = compact_row(
+            model,
+            tok,
+            cache,
+            0,
+            ids,
+            target=20,
+            method=method,
+            query_source="repeat",
+            keep_recent=8,
+        )
+        assert cache.lengths == [28] and cache.logical == [120] and report.ratio == 120 / 28
+        assert cache.next_positions(1, torch.device("cpu")).item() == 120
+        errors[method] = (_next_logits(model, cache, 7) - ref).norm().item()
+    assert errors["am-highest"] < errors["streaming"]
+    # Compaction composes: a compacted row compacts again.
+    cache = _prefilled(model, ids)
+    compact_row(model, tok, cache, 0, ids, target=40, query_source="repeat", keep_recent=8)
+    again = compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
+    assert cache.lengths == [28] and cache.logical == [120] and again.tokens_before == 48
