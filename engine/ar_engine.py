@@ -53,14 +53,26 @@ class ARSequence:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     aborted: Callable[[], bool] = lambda: False
+    # Continue from a session's cache (engine.sessions.Session); with `append`, the prompt and
+    # the answer are written back into the session when the sequence finishes.
+    session: Any = None
+    append: bool = True
     row: int = -1
     pending: int | None = None  # last sampled token, not yet run through the model
     generated: int = 0
+    fed_tokens: list[int] = field(default_factory=list)  # sampled tokens already run through
+    pending_final: int | None = None  # the last sampled token, once finished
     finish_reason: str | None = None
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+
+def _session_slots(seq: ARSequence) -> int:
+    """Committed slots of the session a sequence continues from (0 without one)."""
+    cache = None if seq.session is None else seq.session.cache
+    return 0 if cache is None else cache.lengths[0]
 
 
 class AREngine:
@@ -85,8 +97,11 @@ class AREngine:
         prompt: list[int],
         params: SamplingParams,
         aborted: Callable[[], bool] = lambda: False,
+        session: Any = None,
+        append: bool = True,
     ) -> ARSequence:
-        budget = min(params.max_tokens, self.max_model_len - len(prompt))
+        history = 0 if session is None else session.logical_length
+        budget = min(params.max_tokens, self.max_model_len - history - len(prompt))
         if not prompt or budget < 1:
             raise ValueError("prompt leaves no room for new tokens")
         stop_ids = set(params.stop_token_ids)
@@ -102,6 +117,8 @@ class AREngine:
             frozenset(stop_ids),
             generator,
             aborted,
+            session,
+            append,
         )
 
     def add(self, seq: ARSequence) -> None:
@@ -171,9 +188,13 @@ class AREngine:
             return outputs
         first = new[0].row
         width = max(len(s.prompt) for s in new)
-        cache = self._cache_for(width + 1)
+        history = max(_session_slots(s) for s in new)
+        cache = self._cache_for(history + width + 1)
         for seq in new:
-            cache.reset(seq.row)
+            if _session_slots(seq):  # continue from the session's (maybe compacted) cache
+                cache.load_row(seq.row, seq.session.cache)
+            else:
+                cache.reset(seq.row)
         device = self.model.device
         ids = torch.zeros(len(new), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(new), width, dtype=torch.bool, device=device)
@@ -209,6 +230,9 @@ class AREngine:
     def _accept(self, seq: ARSequence, logits: Tensor) -> StepOutput:
         """Sample the next token of `seq` from its logits [V] and say what it adds."""
         token = self._sample(seq, logits)
+        if seq.pending is not None:  # the previous token has just been run through the model
+            seq.fed_tokens.append(seq.pending)
+        seq.pending_final = token
         seq.generated += 1
         seq.token_times.append(time.perf_counter())
         lps = (
@@ -237,11 +261,22 @@ class AREngine:
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
         return TokenLogprob(token, float(logp[token]), top)
 
+    def _write_back(self, seq: ARSequence) -> None:
+        """The session now holds the prompt and the answer. The last sampled token was never
+        run through the model: it stays pending, fed first by the next request."""
+        assert self.cache is not None
+        session = seq.session
+        session.cache = self.cache.extract_row(seq.row)
+        session.tokens = session.tokens + seq.prompt + seq.fed_tokens
+        session.pending = seq.pending_final
+
     def _finish(self, seq: ARSequence, out: StepOutput) -> StepOutput:
         seq.finish_reason = out.finish_reason
         return out
 
     def _retire(self, seq: ARSequence) -> None:
+        if seq.session is not None and seq.append and seq.finish_reason in ("stop", "length"):
+            self._write_back(seq)
         last = self.running[-1]
         if last is not seq and self.cache is not None:
             self.cache.move_row(last.row, seq.row)

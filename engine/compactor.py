@@ -97,7 +97,7 @@ def self_study_queries(
 ) -> list[Tensor]:
     """The model asks and answers a question about the context (greedy, on a copy of the
     row); the queries of the instruction and of everything it wrote are captured."""
-    work = copy_row(cache, row)
+    work = cache.extract_row(row)
     work.ensure_capacity(work.lengths[0] + new_tokens + 64)
     prompt = tokenizer.encode(STUDY_INSTRUCTION, add_special_tokens=False)
     eos = set(model.config.eos_token_ids)

@@ -157,6 +157,36 @@ class KVCache:
         self.lengths[start : start + view.batch] = view.lengths
         self.logical[start : start + view.batch] = view.logical
 
+    def extract_row(self, row: int) -> KVCache:
+        """A new batch-1 cache holding a copy of one row's committed slots."""
+        n = self.lengths[row]
+        cap = max(n, 1)
+        keys = [k[row : row + 1, :, :cap].clone() for k in self.keys]
+        values = [v[row : row + 1, :, :cap].clone() for v in self.values]
+        biases = None
+        if self.biases is not None:
+            biases = [b[row : row + 1, :, :cap].clone() for b in self.biases]
+        return KVCache(keys, values, [n], [self.logical[row]], biases)
+
+    def load_row(self, row: int, src: KVCache, src_row: int = 0) -> None:
+        """Copy another cache's row (committed slots, lengths, biases) into `row`."""
+        n = src.lengths[src_row]
+        self.ensure_capacity(n + 1)
+        if src.biases is not None and self.biases is None:
+            b, h, s, _ = self.keys[0].shape
+            self.biases = [
+                torch.zeros(b, h, s, device=self.keys[0].device) for _ in range(self.num_layers)
+            ]
+        for layer in range(self.num_layers):
+            self.keys[layer][row, :, :n] = src.keys[layer][src_row, :, :n]
+            self.values[layer][row, :, :n] = src.values[layer][src_row, :, :n]
+            if self.biases is not None:
+                self.biases[layer][row] = 0
+                if src.biases is not None:
+                    self.biases[layer][row, :, :n] = src.biases[layer][src_row, :, :n]
+        self.lengths[row] = n
+        self.logical[row] = src.logical[src_row]
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's committed slots (and lengths) into row dst: compacts the active rows
         of a batch when a sequence leaves."""

@@ -42,6 +42,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     aborted: threading.Event = field(default_factory=threading.Event)
+    exclusive: bool = False  # a job run on the engine thread between steps, not a sequence
 
 
 class BatchWorker:
@@ -100,6 +101,22 @@ class BatchWorker:
         finally:
             req.aborted.set()
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between two steps (it may use the model freely) and
+        return its result. Requests already decoding wait for it; it does not wait for them."""
+        req = _Request(
+            f"{self.name}-job-{next(self._ids)}",
+            lambda *_: fn,
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+            exclusive=True,
+        )
+        self._inbox.put_nowait(req)
+        item = await req.out.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -136,6 +153,12 @@ class BatchWorker:
             if req is None:
                 self._stop = True
                 block = False
+                continue
+            if req.exclusive:
+                try:
+                    self._send(req, req.build(req.id, req.aborted.is_set)())
+                except Exception as e:  # handed to the caller
+                    self._send(req, e)
                 continue
             try:
                 seq = req.build(req.id, req.aborted.is_set)

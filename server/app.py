@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel, load_served_model
-from server import chat, completions
+from engine.sessions import SessionStore
+from models.fetch import serve_home
+from server import chat, completions, sessions
 from server.errors import APIError, error_body, error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
 from server.schemas import (
@@ -59,6 +62,9 @@ class ServerSettings:
     max_queue: int = 256
     max_batch: int = 8  # sequences decoded together per model
     api_key: str | None = None
+    sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
+    session_memory_bytes: int = 2 << 30
+    session_lock_wait: float = 10.0  # seconds a busy session is waited for before 409
 
 
 @dataclass(slots=True)
@@ -66,6 +72,7 @@ class ServerState:
     """Models load in the background, so /health can say 503 while they do."""
 
     settings: ServerSettings
+    sessions: SessionStore
     metrics: Metrics = field(default_factory=Metrics)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -120,9 +127,10 @@ class ServerState:
         return out
 
     def shutdown(self) -> None:
-        """Let in-flight requests finish, then stop the engine threads."""
+        """Let in-flight requests finish, stop the engine threads, write sessions to disk."""
         for served in self.models.values():
             served.worker.shutdown(timeout=60)
+        self.sessions.persist_all()
 
 
 async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -140,8 +148,14 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 def create_app(
     settings: ServerSettings, loader: Callable[[ServerState], None] | None = None
 ) -> FastAPI:
-    state = ServerState(settings)
+    store = SessionStore(
+        settings.sessions_dir or serve_home() / "sessions", settings.session_memory_bytes
+    )
+    state = ServerState(settings, store)
     state.metrics.add_gauges(state.gauges)
+    state.metrics.add_session_gauges(
+        lambda: (len(store.ids()), store.memory_bytes(), store.disk_bytes())
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -222,9 +236,13 @@ def create_app(
             ],
         }
 
+    sessions.install(app, state, errors)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
     async def create_completion(req: CompletionRequest, request: Request):
         served = state.get(req.model)
+        if req.session_id is not None:
+            return await session_completion(req, request, served)
         choices = completions.plan_completion(served, req)
         if req.stream:
             return StreamingResponse(
@@ -248,5 +266,49 @@ def create_app(
             )
         body = await until_disconnected(request, chat.complete(served, req, choices, state.metrics))
         return JSONResponse(body)
+
+    async def session_completion(req: CompletionRequest, request: Request, served: ServedModel):
+        """A completion that continues from a session's cache (held locked throughout)."""
+        session = sessions.find(state, req.session_id)
+        if session.model != req.model:
+            raise APIError(
+                400, f"session {session.id!r} belongs to model {session.model!r}", param="model"
+            )
+        if (
+            req.n != 1
+            or not isinstance(req.prompt, str | list)
+            or (isinstance(req.prompt, list) and not all(isinstance(t, int) for t in req.prompt))
+        ):
+            raise APIError(400, "a session completion takes one prompt and n = 1", param="prompt")
+        lock = sessions.locked(session, settings.session_lock_wait)
+        await lock.__aenter__()
+        try:
+            await sessions.load_cache(state, served, session)
+            choices = completions.plan_session(served, req, session)
+        except BaseException:
+            await lock.__aexit__(None, None, None)
+            raise
+
+        async def release() -> None:
+            await lock.__aexit__(None, None, None)
+            store.enforce_limit()
+
+        if req.stream:
+
+            async def body():
+                try:
+                    async for chunk in completions.stream(served, req, choices, state.metrics):
+                        yield chunk
+                finally:
+                    await release()
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+        try:
+            result = await until_disconnected(
+                request, completions.complete(served, req, choices, state.metrics)
+            )
+        finally:
+            await release()
+        return JSONResponse(result)
 
     return app

@@ -108,6 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
         "/health, /version and /metrics stay open",
     )
     serve.add_argument(
+        "--sessions-dir",
+        type=Path,
+        default=Path(v) if (v := _env("SESSIONS_DIR")) else None,
+        help="where sessions are stored (env CDLM_SERVE_SESSIONS_DIR; default "
+        "$CDLM_SERVE_HOME/sessions)",
+    )
+    serve.add_argument(
+        "--session-memory-mb",
+        type=int,
+        default=int(_env("SESSION_MEMORY_MB", "2048") or 2048),
+        help="session caches kept in memory before the least recently used go to disk "
+        "(env CDLM_SERVE_SESSION_MEMORY_MB)",
+    )
+    serve.add_argument(
+        "--session-lock-wait",
+        type=float,
+        default=float(_env("SESSION_LOCK_WAIT", "10") or 10),
+        help="seconds a request waits for a busy session before 409 (env "
+        "CDLM_SERVE_SESSION_LOCK_WAIT)",
+    )
+    serve.add_argument(
         "--max-batch",
         type=int,
         default=int(_env("MAX_BATCH", "8") or 8),
@@ -145,6 +166,9 @@ def serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         api_key=args.api_key,
+        sessions_dir=args.sessions_dir,
+        session_memory_bytes=args.session_memory_mb << 20,
+        session_lock_wait=args.session_lock_wait,
     )
     names = [m.name for m in settings.models]
     if len(set(names)) != len(names):

@@ -40,6 +40,8 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str
     params: SamplingParams | DLMParams
+    session: Any = None  # engine.sessions.Session to continue from
+    append: bool = True
 
 
 @dataclass(slots=True)
@@ -182,11 +184,34 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
     return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
 
 
+def plan_session(served: ServedModel, req: CompletionRequest, session: Any) -> list[Choice]:
+    """One choice continuing from a session: the session's pending token (sampled last time,
+    never run through the model) comes first."""
+    reject_unsupported(
+        served,
+        req,
+        {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
+    )
+    ((ids, text),) = prompt_ids(served, req.prompt)
+    if session.pending is not None:
+        ids = [session.pending, *ids]
+    room = served.max_model_len - session.logical_length - len(ids)
+    wanted = req.max_tokens if req.max_tokens is not None else room
+    if wanted > room or room < 1:
+        raise _context_error(served.max_model_len, session.logical_length + len(ids), wanted)
+    params = _params(served, req, wanted, req.seed, None)
+    return [Choice(0, ids, text, params, session, req.append)]
+
+
 # ---- running ---------------------------------------------------------------------------------
 async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
     def build(request_id, aborted):
+        if choice.session is not None:
+            return served.engine.new_sequence(
+                request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
+            )
         return served.engine.new_sequence(request_id, choice.prompt_ids, choice.params, aborted)
 
     try:

@@ -97,6 +97,20 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.compaction_seconds = Histogram(
+            PREFIX + "compaction_seconds",
+            "Wall time of one KV-cache compaction.",
+            ["method"],
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.compaction_ratio = Histogram(
+            PREFIX + "compaction_ratio",
+            "Physical cache size before / after a compaction.",
+            ["method"],
+            buckets=(1, 1.5, 2, 3, 5, 10, 20, 50, 100, 200),
+            registry=r,
+        )
         self.dlm_steps = Histogram(
             PREFIX + "dlm_steps_per_request",
             "Forward passes (denoising steps, the prefill included) a diffusion request took.",
@@ -162,6 +176,10 @@ class Metrics:
         KV cache usage fraction)}."""
         self.registry.register(_EngineGauges(read))
 
+    def add_session_gauges(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """`read()` -> (sessions, bytes of caches in memory, bytes on disk), at scrape time."""
+        self.registry.register(_SessionGauges(read))
+
     def render(self) -> bytes:
         return _generate_latest(self.registry)
 
@@ -193,3 +211,18 @@ class _EngineGauges(Collector):
         yield running
         yield waiting
         yield usage
+
+
+class _SessionGauges(Collector):
+    def __init__(self, read: Callable[[], tuple[int, int, int]]):
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        count, memory, disk = self.read()
+        yield GaugeMetricFamily(PREFIX + "sessions", "Sessions known to the server.", count)
+        yield GaugeMetricFamily(
+            PREFIX + "session_memory_bytes", "Bytes of session KV caches held in memory.", memory
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "session_disk_bytes", "Bytes of sessions stored on disk.", disk
+        )

@@ -41,6 +41,10 @@ class CompletionRequest(BaseModel):
     decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)
+    # Extensions for sessions: continue from a session's KV cache, and append this prompt and
+    # its completion to it (unless append is false).
+    session_id: str | None = None
+    append: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -158,3 +162,32 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class SessionCreateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    prompt: str | list[int] | None = None
+
+
+class CompactRequest(BaseModel):
+    """Compact a session's cache: to `target_tokens` slots, or by `ratio` (slots before /
+    slots after, over the compacted region)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    ratio: float | None = Field(None, ge=1.0)
+    target_tokens: int | None = Field(None, ge=1)
+    method: Literal[
+        "am-omp",
+        "am-omp-fast",
+        "am-highest",
+        "am-highest-fast",
+        "snapkv",
+        "h2o",
+        "streaming",
+        "kvzip",
+        "random",
+    ] = "am-highest"
+    query_source: Literal["context", "repeat", "self-study", "repeat+self-study"] = "repeat"
+    keep_recent: int = Field(0, ge=0)

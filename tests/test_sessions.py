@@ -1,0 +1,169 @@
+"""Sessions over HTTP: create, continue, compact, persist across a restart, stay consistent
+under concurrent use. Real servers, tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from conftest import running_server
+
+CONTEXT = "The code name of the blue box is Orchid-417. " * 3
+
+
+def _server(model_dir, sessions_dir, *extra: str):
+    return running_server(
+        "--model",
+        f"tiny={model_dir}",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--sessions-dir",
+        str(sessions_dir),
+        *extra,
+    )
+
+
+def _complete(base: str, **body) -> httpx.Response:
+    return httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "max_tokens": 8, "temperature": 0, **body},
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir, store):
+    with _server(tiny_llama_dir, store, "--session-lock-wait", "1") as url:
+        yield url
+
+
+def test_session_continues_exactly_like_the_whole_prompt(base):
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "s1", "prompt": CONTEXT})
+    assert r.status_code == 201
+    info = r.json()
+    n = len(CONTEXT.encode())
+    assert (info["tokens"], info["logical_length"], info["physical_tokens"]) == (n, n, n)
+    assert info["bytes"] > 0 and info["compactions"] == []
+    stateless = _complete(base, prompt=CONTEXT + "Q:").json()["choices"][0]["text"]
+    peek = _complete(base, prompt="Q:", session_id="s1", append=False).json()
+    assert peek["choices"][0]["text"] == stateless
+    assert httpx.get(f"{base}/v1/sessions/s1").json()["tokens"] == n  # append=false
+    first = _complete(base, prompt="Q:", session_id="s1").json()
+    assert first["choices"][0]["text"] == stateless
+    grown = httpx.get(f"{base}/v1/sessions/s1").json()
+    assert grown["tokens"] == n + 2 + first["usage"]["completion_tokens"]
+    # The next request continues after the answer, as if everything had been one prompt.
+    second = _complete(base, prompt="R:", session_id="s1").json()["choices"][0]["text"]
+    whole = CONTEXT + "Q:" + stateless + "R:"
+    assert second == _complete(base, prompt=whole).json()["choices"][0]["text"]
+
+
+def test_compaction_and_restart(tiny_llama_dir, tmp_path):
+    with _server(tiny_llama_dir, tmp_path) as url:
+        httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "doc", "prompt": CONTEXT})
+        r = httpx.post(
+            f"{url}/v1/sessions/doc/compact",
+            json={"ratio": 4, "method": "am-highest", "query_source": "repeat", "keep_recent": 16},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        report = r.json()
+        n = len(CONTEXT.encode())
+        region = n - 16
+        assert report["tokens_before"] == n and report["target"] == -(-region // 4)
+        assert report["tokens_after"] == report["target"] + 16 and report["logical_length"] == n
+        assert set(report["seconds"]) >= {"queries", "keys", "beta", "values", "total"}
+        info = httpx.get(f"{url}/v1/sessions/doc").json()
+        assert info["physical_tokens"] == report["tokens_after"] and len(info["compactions"]) == 1
+        before = _complete(url, prompt="Q:", session_id="doc", append=False).json()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'cdlm_serve:compaction_seconds_count{method="am-highest"} 1.0' in metrics
+        assert "cdlm_serve:sessions 1.0" in metrics
+    with _server(tiny_llama_dir, tmp_path) as url:  # a new process over the same store
+        info2 = httpx.get(f"{url}/v1/sessions/doc").json()
+        assert info2["logical_length"] == info["logical_length"]
+        assert info2["compactions"] == info["compactions"]
+        after = _complete(url, prompt="Q:", session_id="doc", append=False).json()
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert (
+            httpx.get(f"{url}/v1/sessions/doc").json()["physical_tokens"] == info["physical_tokens"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/sessions/nope/compact", {"ratio": 2}, 404, "session_id"),
+        ("/v1/sessions/s2/compact", {"ratio": 0.5}, 400, "ratio"),
+        ("/v1/sessions/s2/compact", {"target_tokens": 10_000}, 400, "target_tokens"),
+        ("/v1/sessions/s2/compact", {"ratio": 2, "method": "magic"}, 400, "method"),
+        ("/v1/sessions/s2/compact", {}, 400, "ratio"),
+        ("/v1/sessions/s2/compact", {"ratio": 2, "keep_recent": 10_000}, 400, "keep_recent"),
+        ("/v1/sessions", {"model": "tiny", "id": "s2"}, 409, "id"),
+        ("/v1/sessions", {"model": "tiny", "id": "bad id!"}, 400, "id"),
+        ("/v1/sessions", {"model": "ghost"}, 404, "model"),
+    ],
+)
+def test_session_errors(base, path, body, status, param):
+    httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "s2", "prompt": CONTEXT})
+    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_unknown_session_in_a_completion_is_404(base):
+    r = _complete(base, prompt="x", session_id="missing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_busy_session_answers_409_and_concurrent_use_stays_consistent(base):
+    httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "busy", "prompt": CONTEXT})
+
+    async def storm():
+        async with httpx.AsyncClient(timeout=300) as client:
+            long = client.post(
+                f"{base}/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "Z",
+                    "max_tokens": 300,
+                    "temperature": 0,
+                    "session_id": "busy",
+                },
+            )
+            task = asyncio.create_task(long)
+            await asyncio.sleep(0.3)
+            others = await asyncio.gather(
+                client.post(f"{base}/v1/sessions/busy/compact", json={"ratio": 2}),
+                client.post(
+                    f"{base}/v1/completions",
+                    json={"model": "tiny", "prompt": "Y", "max_tokens": 4, "session_id": "busy"},
+                ),
+            )
+            return await task, others
+
+    first, others = asyncio.run(storm())
+    assert first.status_code == 200
+    codes = [r.status_code for r in others]
+    assert set(codes) <= {200, 409} and 409 in codes  # the lock wait (1 s) ran out
+    assert all(r.json()["error"]["code"] == "session_busy" for r in others if r.status_code == 409)
+    info = httpx.get(f"{base}/v1/sessions/busy").json()
+    assert info["physical_tokens"] <= info["logical_length"] < info["tokens"] + 1
+    # Still usable: one more completion and one more compaction both succeed.
+    assert _complete(base, prompt="W", session_id="busy").status_code == 200
+    r = httpx.post(f"{base}/v1/sessions/busy/compact", json={"ratio": 2}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert (
+        json.loads(r.text)["session"]["logical_length"]
+        == httpx.get(f"{base}/v1/sessions/busy").json()["logical_length"]
+    )
