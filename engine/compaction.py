@@ -46,11 +46,14 @@ class HeadInputs:
     queries: Tensor  # [n, D] reference queries (the group's heads pooled), post-RoPE
     scale: float
     bias: Tensor | None = None  # [T] additive bias already on these slots
+    _scores: Tensor | None = None
 
     def scores(self) -> Tensor:
-        """[n, T] fp32 attention scores."""
-        s = self.queries.float() @ self.keys.float().T * self.scale
-        return s if self.bias is None else s + self.bias.float()
+        """[n, T] fp32 attention scores (computed once: every stage reads them)."""
+        if self._scores is None:
+            s = self.queries.float() @ self.keys.float().T * self.scale
+            self._scores = s if self.bias is None else s + self.bias.float()
+        return self._scores
 
 
 @dataclass(slots=True)
@@ -112,18 +115,26 @@ def omp(h: HeadInputs, t: int, per_iter: int = 1, refit_every: int = 1) -> Tenso
 
 # ---- beta and values -------------------------------------------------------------------------
 def nonnegative_weights(a: Tensor, m: Tensor) -> Tensor:
-    """argmin_{w >= 0} ||a w - m||  (a [n, t], m [n]), in float64 via SciPy's NNLS."""
-    w, _ = nnls(a.double().numpy(), m.double().numpy(), maxiter=50 * a.shape[1] + 100)
+    """argmin_{w >= 0} ||a w - m||  (a [n, t], m [n]), in float64 via SciPy's NNLS.
+
+    With n >> t the problem is first reduced by a QR factorization: ||a w - m||^2 =
+    ||R w - Q^T m||^2 + const, so NNLS runs on a t x t system with the same minimizer."""
+    a64, m64 = a.double(), m.double()
+    if a64.shape[0] > 2 * a64.shape[1]:
+        q, r = torch.linalg.qr(a64)
+        a64, m64 = r, q.T @ m64
+    w, _ = nnls(a64.numpy(), m64.numpy(), maxiter=50 * a.shape[1] + 100)
     return torch.from_numpy(np.asarray(w)).float()
 
 
 def fit_values(x: Tensor, y: Tensor, ridge: float = 1e-6) -> Tensor:
-    """argmin_C ||x C - y||^2 (x [n, t], y [n, D]); plain least squares, with a small ridge if
-    x^T x is ill-conditioned."""
+    """argmin_C ||x C - y||^2 (x [n, t], y [n, D]): the normal equations by Cholesky, with a
+    small ridge when x^T x is (numerically) singular."""
     gram = x.double().T @ x.double()
     rhs = x.double().T @ y.double()
-    if torch.linalg.cond(gram) < 1e10:
-        return torch.linalg.solve(gram, rhs).float()
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if int(info) == 0 and chol.diagonal().min() > 1e-7 * chol.diagonal().max():
+        return torch.cholesky_solve(rhs, chol).float()
     eye = torch.eye(gram.shape[0], dtype=gram.dtype)
     return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, rhs).float()
 

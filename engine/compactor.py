@@ -145,10 +145,13 @@ def compact_row(
     query_source: str = "repeat",
     keep_recent: int = 0,
     seed: int = 0,
+    max_queries: int = 2048,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
-    `context_ids` is the token history the row holds (queries are built from it)."""
+    `context_ids` is the token history the row holds (queries are built from it). Each KV head
+    fits at most `max_queries` reference queries (a seeded random subset of its group's): the
+    fits cost O(queries x tokens), and a few thousand queries already pin t << T slots."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     length = cache.lengths[row]
@@ -170,10 +173,14 @@ def compact_row(
         q = queries[layer].cpu()  # [H, n, D]
         layer_k, layer_v, layer_b = [], [], []
         for g in range(cfg.num_kv_heads):
+            pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
+            if pooled.shape[0] > max_queries:
+                pick = torch.randperm(pooled.shape[0], generator=generator)[:max_queries]
+                pooled = pooled[pick.sort().values]
             h = HeadInputs(
                 keys=keys[g, :region].float().cpu(),
                 values=values[g, :region].float().cpu(),
-                queries=q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim),
+                queries=pooled,
                 scale=cfg.head_dim**-0.5,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )

@@ -1,0 +1,345 @@
+"""KV compaction, side by side: Attention Matching vs token-selection baselines on SmolLM2.
+
+    python -m bench.compaction [--contexts 5] [--ratios 5 10 20 50] [--json out.json]
+
+Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` for another text) with
+>= 20 synthetic facts inserted at spread depths ("The code name of the blue box is
+Orchid-417."): the far-dependence probe. The context is prefilled once; every method compacts a
+copy of that cache to the same physical size t = T / ratio (a recent window of `--keep-recent`
+tokens stays exact for every method), then is measured by the fraction of the context's benefit
+it keeps, (nll_none - nll_method) / (nll_none - nll_full), on:
+
+- facts (the headline): NLL of each fact's answer after its question;
+- continuation (sanity): NLL of the true next 256 tokens;
+- reconstruction: NLL of the context's first `--recon-tokens` tokens re-generated after an
+  instruction to repeat it (what KVzip measures);
+
+plus greedy exact match on the facts, the mean relative attention-output error, and compaction
+wall time by stage. Methods (`engine.compaction.METHODS` with their query sources): am-omp and
+am-highest use repeat + self-study queries, their -fast variants repeat queries only; KVzip-style
+uses repeat queries; SnapKV/H2O use the context's own queries; streaming and random use none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.compactor import compact_row
+from engine.kv_cache import KVCache
+from models.loading import load_model
+from models.sources import DEFAULT_AR_MODEL, resolve
+
+QUERY_SOURCE = {
+    "am-omp": "repeat+self-study",
+    "am-omp-fast": "repeat",
+    "am-highest": "repeat+self-study",
+    "am-highest-fast": "repeat",
+    "kvzip": "repeat",
+    "snapkv": "context",
+    "h2o": "context",
+    "streaming": "context",
+    "random": "context",
+}
+COLORS = [
+    "blue",
+    "red",
+    "green",
+    "yellow",
+    "black",
+    "white",
+    "purple",
+    "orange",
+    "silver",
+    "golden",
+    "brown",
+    "grey",
+    "pink",
+    "violet",
+    "crimson",
+    "amber",
+    "ivory",
+    "teal",
+    "scarlet",
+    "indigo",
+    "olive",
+    "navy",
+    "maroon",
+    "cyan",
+]
+OBJECTS = [
+    "box",
+    "jar",
+    "key",
+    "lamp",
+    "book",
+    "coin",
+    "ring",
+    "cup",
+    "chest",
+    "bell",
+    "map",
+    "clock",
+]
+WORDS = [
+    "Orchid",
+    "Falcon",
+    "Granite",
+    "Willow",
+    "Comet",
+    "Harbor",
+    "Juniper",
+    "Lantern",
+    "Meadow",
+    "Nimbus",
+    "Quartz",
+    "Raven",
+    "Saffron",
+    "Tundra",
+    "Velvet",
+    "Zephyr",
+    "Cobalt",
+    "Ember",
+    "Fjord",
+    "Glacier",
+]
+
+
+@dataclass(slots=True)
+class Fact:
+    statement: str
+    question: str
+    answer: str  # what follows the question's answer prefix
+
+
+def make_facts(n: int, rng: random.Random) -> list[Fact]:
+    pairs = rng.sample([(c, o) for c in COLORS for o in OBJECTS], n)
+    facts = []
+    for color, obj in pairs:
+        code = f"{rng.choice(WORDS)}-{rng.randint(100, 999)}"
+        facts.append(
+            Fact(
+                statement=f" The code name of the {color} {obj} is {code}.",
+                question=f"\nQuestion: What is the code name of the {color} {obj}?\nAnswer: The "
+                f"code name of the {color} {obj} is",
+                answer=f" {code}.",
+            )
+        )
+    return facts
+
+
+def make_context(text: str, tok, length: int, n_facts: int, rng: random.Random):
+    """A window of `text` of ~`length` tokens with facts spread through it, plus the true
+    continuation (256 tokens) that follows it."""
+    words = text.split(" ")
+    start = rng.randrange(0, len(words) - 6 * length)
+    facts = make_facts(n_facts, rng)
+    body = " ".join(words[start : start + 2 * length])
+    ids = tok(body, add_special_tokens=False).input_ids
+    pieces = tok.decode(ids[: length - 15 * n_facts])
+    sentences = pieces.split(". ")
+    slots = sorted(rng.sample(range(1, len(sentences)), n_facts))
+    for fact, slot in zip(reversed(facts), reversed(slots), strict=True):
+        sentences[slot - 1] += "." + fact.statement.rstrip(".")
+    context = ". ".join(sentences)
+    rest = " ".join(words[start + 2 * length : start + 3 * length])
+    continuation = tok(rest, add_special_tokens=False).input_ids[:256]
+    return context, facts, continuation
+
+
+@torch.no_grad()
+def answer_nll(model, cache: KVCache | None, prompt: list[int], answer: list[int]) -> float:
+    """Mean NLL of `answer` after `prompt`, continuing `cache` (not modified) or from nothing."""
+    ids = torch.tensor([prompt + answer], device=model.device)
+    if cache is None:
+        hidden = model(ids)
+    else:
+        cache.ensure_capacity(cache.lengths[0] + ids.shape[1])
+        hidden = model(ids, cache=cache, commit=False)
+    logits = model.logits(hidden[0, len(prompt) - 1 : -1]).float()
+    return float(
+        torch.nn.functional.cross_entropy(logits, torch.tensor(answer, device=model.device))
+    )
+
+
+@torch.no_grad()
+def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
+    work = cache.extract_row(0)
+    work.ensure_capacity(work.lengths[0] + len(prompt) + n + 1)
+    hidden = model(torch.tensor([prompt], device=model.device), cache=work)
+    out = []
+    for _ in range(n):
+        token = int(model.logits(hidden[:, -1]).argmax(-1))
+        out.append(token)
+        hidden = model(torch.tensor([[token]], device=model.device), cache=work)
+    return out
+
+
+@dataclass(slots=True)
+class Probe:
+    facts: list[tuple[list[int], list[int]]]  # (question ids, answer ids)
+    continuation: list[int]
+    recon_prompt: list[int]
+    recon_target: list[int]
+
+
+def measure(model, cache: KVCache | None, probe: Probe, em: bool) -> dict[str, float]:
+    facts = [answer_nll(model, cache, q, a) for q, a in probe.facts]
+    out = {
+        "facts": statistics.mean(facts),
+        "cont": answer_nll(model, cache, probe.continuation[:1], probe.continuation[1:]),
+        "recon": answer_nll(model, cache, probe.recon_prompt, probe.recon_target),
+    }
+    if em and cache is not None:
+        hits = [greedy(model, cache, q, len(a)) == a for q, a in probe.facts]
+        out["em"] = 100.0 * sum(hits) / len(hits)
+    return out
+
+
+def kept(none: float, full: float, method: float) -> float:
+    return (none - method) / (none - full) if abs(none - full) > 1e-9 else float("nan")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_AR_MODEL)
+    p.add_argument("--text", type=Path, help="a text file instead of Jane Austen")
+    p.add_argument("--contexts", type=int, default=5)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 3072, 4096, 5120, 6144])
+    p.add_argument("--facts", type=int, default=20)
+    p.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20, 50])
+    p.add_argument("--methods", nargs="+", default=list(QUERY_SOURCE))
+    p.add_argument("--keep-recent", type=int, default=64)
+    p.add_argument("--recon-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from train import austen
+
+    folder = resolve(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
+    text = (
+        args.text.read_text()
+        if args.text
+        else " ".join(austen.load(n) for n in austen.NOVELS).replace("\n", " ")
+    )
+    rng = random.Random(args.seed)
+    rows: list[dict] = []
+    for c in range(args.contexts):
+        length = args.lengths[c % len(args.lengths)]
+        context, facts, continuation = make_context(text, tok, length, args.facts, rng)
+        ids = tok(context, add_special_tokens=False).input_ids
+        repeat = tok("\n\nRepeat the text above exactly.\n\n", add_special_tokens=False).input_ids
+        probe = Probe(
+            facts=[
+                (
+                    tok(f.question, add_special_tokens=False).input_ids,
+                    tok(f.answer, add_special_tokens=False).input_ids,
+                )
+                for f in facts
+            ],
+            continuation=continuation,
+            recon_prompt=repeat + ids[:1],
+            recon_target=ids[1 : 1 + args.recon_tokens],
+        )
+        started = time.perf_counter()
+        full = model.new_cache(1, len(ids) + 64)
+        with torch.no_grad():
+            model(torch.tensor([ids], device=model.device), cache=full)
+        prefill_s = time.perf_counter() - started
+        base_none = measure(model, None, probe, em=False)
+        base_full = measure(model, full, probe, em=True)
+        print(
+            f"context {c}: {len(ids)} tokens, {len(facts)} facts, prefill {prefill_s:.1f}s; "
+            f"fact NLL none {base_none['facts']:.2f} full {base_full['facts']:.2f}, "
+            f"EM full {base_full['em']:.0f}%",
+            flush=True,
+        )
+        for ratio in args.ratios:
+            region = len(ids) - args.keep_recent
+            target = max(1, round(len(ids) / ratio) - args.keep_recent)
+            if target >= region:
+                continue
+            for method in args.methods:
+                cache = full.extract_row(0)
+                report = compact_row(
+                    model,
+                    tok,
+                    cache,
+                    0,
+                    ids,
+                    target,
+                    method,
+                    QUERY_SOURCE[method],
+                    args.keep_recent,
+                    seed=args.seed,
+                )
+                got = measure(model, cache, probe, em=True)
+                row = {
+                    "context": c,
+                    "tokens": len(ids),
+                    "method": method,
+                    "ratio": ratio,
+                    "physical": cache.lengths[0],
+                    "facts_kept": kept(base_none["facts"], base_full["facts"], got["facts"]),
+                    "cont_kept": kept(base_none["cont"], base_full["cont"], got["cont"]),
+                    "recon_kept": kept(base_none["recon"], base_full["recon"], got["recon"]),
+                    "facts_em": got["em"],
+                    "facts_em_full": base_full["em"],
+                    "out_err": report.output_error,
+                    "seconds": report.seconds,
+                }
+                rows.append(row)
+                print(
+                    f"  {ratio:>4.0f}x {method:<16} facts {row['facts_kept']:+.2f} cont "
+                    f"{row['cont_kept']:+.2f} recon {row['recon_kept']:+.2f} EM "
+                    f"{row['facts_em']:.0f}% err {row['out_err']:.3f} "
+                    f"{report.seconds['total']:.1f}s",
+                    flush=True,
+                )
+    summary = summarize(rows, args.ratios, args.methods)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    return rows
+
+
+def summarize(rows: list[dict], ratios: list[float], methods: list[str]) -> list[dict]:
+    """Median (and min..max) over contexts, per method and ratio; printed as tables."""
+    out = []
+    for key in ("facts_kept", "cont_kept", "recon_kept", "facts_em", "out_err"):
+        print(f"\n{key} (median over contexts, [min, max])")
+        print(f"{'method':<18}" + "".join(f"{r:>18.0f}x" for r in ratios))
+        for method in methods:
+            line = f"{method:<18}"
+            for ratio in ratios:
+                vals = [r[key] for r in rows if r["method"] == method and r["ratio"] == ratio]
+                if not vals:
+                    line += f"{'-':>19}"
+                    continue
+                med = statistics.median(vals)
+                line += f"{med:>7.2f} [{min(vals):>4.1f},{max(vals):>4.1f}]"
+                out.append({"method": method, "ratio": ratio, key: med})
+            print(line)
+    totals = {}
+    for method in methods:
+        secs = [r["seconds"]["total"] for r in rows if r["method"] == method]
+        if secs:
+            totals[method] = statistics.median(secs)
+    print("\ncompaction seconds (median):", {k: round(v, 1) for k, v in totals.items()})
+    return out
+
+
+if __name__ == "__main__":
+    main()
