@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.kv_cache import KVCache
+from models.fetch import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class SessionStore:
                 "created": session.created,
             }
             _write_json(meta, tmp / "meta.json")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():
                 old = self.root / f".tmp-old-{session.id}-{uuid.uuid4().hex[:8]}"
                 os.replace(final, old)
@@ -201,7 +202,7 @@ class SessionStore:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -259,11 +260,3 @@ def _write_json(obj: Any, path: Path) -> None:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -115,7 +115,7 @@ def ensure_model(
             if final.exists():  # a folder without config.json is debris, never a model
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -236,10 +236,11 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
