@@ -61,6 +61,15 @@ def test_task_batches_have_fixed_shapes():
     prompts, answers = task_batch(list(TASKS["addition3"].held_out()[:5]), kind)
     assert prompts.shape == (5, kind.prompt_len) and answers.shape == (5, kind.answer_len)
     assert (answers[:, -1] == EOS_ID).all()  # padded with end-of-text
+    _, longer = task_batch(list(TASKS["addition3"].held_out()[:5]), kind, extra_blocks=2)
+    assert (
+        longer.shape[1] == kind.answer_len + 16 and (longer[:, kind.answer_len :] == EOS_ID).all()
+    )
+    mix = Mixture(seed=1)
+    lengths = {
+        a.shape[1] for name, _, a in (next(mix.batches(0)) for _ in range(1)) if name == "addition3"
+    }
+    assert lengths and all(n % 8 == 0 for n in lengths)
 
 
 def test_austen_corpus_and_prose_batches():

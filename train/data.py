@@ -1,9 +1,11 @@
 """Training and evaluation data for the models we train: task problems and Austen prose, as
 fixed-shape (prompt, answer) token batches.
 
-Every kind has a fixed prompt and answer length, so a batch needs no padding: task answers are
-padded with end-of-text tokens (the model learns to stop, as LLaDA's SFT does), prose
-continuations are exactly `answer_len` bytes.
+Every kind has a fixed prompt length and a batch has one answer length, so a batch needs no
+padding. Task answers are padded with end-of-text tokens (the model learns to stop, as LLaDA's
+SFT does) to `answer_len` plus a random number of extra whole blocks: the decoder rounds the
+budget up to whole blocks, and a pilot trained on one fixed length (34) was exact at that budget
+(97.5% addition) but broke down at 40. Prose continuations are exactly `answer_len` bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ class Kind:
     answer_len: int
 
 
+BLOCK = 8  # answer lengths are whole blocks of this size (the student's block size)
+MAX_EXTRA_BLOCKS = 3
+
 KINDS = {
-    "addition3": Kind("addition3", 8, 34),
+    "addition3": Kind("addition3", 8, 40),
     "trace4": Kind("trace4", 28, 40),
     "prose": Kind("prose", 64, 256),
 }
@@ -44,12 +49,13 @@ def pad_answer(ids: list[int], length: int) -> list[int]:
     return ids + [EOS_ID] * (length - len(ids))
 
 
-def task_batch(examples: list[Example], kind: Kind) -> tuple[Tensor, Tensor]:
-    """-> prompts [B, P], answers [B, A] (EOS-padded)."""
+def task_batch(examples: list[Example], kind: Kind, extra_blocks: int = 0) -> tuple[Tensor, Tensor]:
+    """-> prompts [B, P], answers [B, answer_len + extra_blocks * BLOCK] (EOS-padded)."""
     prompts = [encode(ex.prompt) for ex in examples]
     if any(len(p) != kind.prompt_len for p in prompts):
         raise ValueError(f"{kind.name}: prompts must be {kind.prompt_len} tokens")
-    answers = [pad_answer(encode(ex.answer), kind.answer_len) for ex in examples]
+    length = kind.answer_len + extra_blocks * BLOCK
+    answers = [pad_answer(encode(ex.answer), length) for ex in examples]
     return torch.tensor(prompts), torch.tensor(answers)
 
 
@@ -119,6 +125,8 @@ class Mixture:
             if name == "prose":
                 prompts, answers = self.prose.batch(n)
             else:
-                prompts, answers = task_batch([next(self.streams[name]) for _ in range(n)], kind)
+                extra = self.rng.randint(0, MAX_EXTRA_BLOCKS)
+                examples = [next(self.streams[name]) for _ in range(n)]
+                prompts, answers = task_batch(examples, kind, extra)
             yield name, prompts, answers
             step += 1
