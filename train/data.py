@@ -107,6 +107,7 @@ class Mixture:
     def __init__(
         self, seed: int, tokens_per_batch: int = 8192, weights: dict[str, int] | None = None
     ):
+        self.rng = random.Random(seed)  # extra answer padding per batch
         self.weights = weights or {"addition3": 1, "trace4": 1, "prose": 1}
         self.streams = {name: TASKS[name].train_stream(seed) for name in ("addition3", "trace4")}
         self.prose = ProseWindows(TRAIN_NOVELS, KINDS["prose"], seed)
