@@ -126,6 +126,7 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
             seed=seed,
             stop=stop,
             logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
         )
     engine = served.engine
     return DLMParams(
@@ -138,6 +139,7 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
         top_p=top_p,
         seed=seed,
         stop=stop,
+        ignore_eos=req.ignore_eos,
     )
 
 

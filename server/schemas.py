@@ -38,6 +38,8 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     user: str | None = None
     # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
+    # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
+    ignore_eos: bool = False
     decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)
@@ -109,6 +111,8 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict] | None = None
     response_format: dict | None = None
     user: str | None = None
+    # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
+    ignore_eos: bool = False
     decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)

@@ -223,3 +223,15 @@ def test_client_disconnect_aborts_the_request(tight):
         f"{tight}/v1/completions", json={"model": "tiny", "prompt": "b", "max_tokens": 3}
     )
     assert r.status_code == 200
+
+
+def test_ignore_eos_generates_the_whole_budget(base):
+    # Hot sampling from a random model: some of 8 samples meet end-of-text within 96 tokens...
+    body = {"model": "tiny", "prompt": "q", "max_tokens": 96, "n": 8, "seed": 1, "temperature": 2}
+    plain = httpx.post(f"{base}/v1/completions", json=body, headers=_h()).json()
+    assert "stop" in {c["finish_reason"] for c in plain["choices"]}
+    # ...and with ignore_eos every one runs to max_tokens.
+    body["ignore_eos"] = True
+    forced = httpx.post(f"{base}/v1/completions", json=body, headers=_h()).json()
+    assert {c["finish_reason"] for c in forced["choices"]} == {"length"}
+    assert forced["usage"]["completion_tokens"] == 8 * 96

@@ -43,7 +43,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir, store):
-    with _server(tiny_llama_dir, store, "--session-lock-wait", "1") as url:
+    with _server(tiny_llama_dir, store, "--session-lock-wait", "0.05") as url:
         yield url
 
 
@@ -131,31 +131,37 @@ def test_busy_session_answers_409_and_concurrent_use_stays_consistent(base):
 
     async def storm():
         async with httpx.AsyncClient(timeout=300) as client:
-            long = client.post(
-                f"{base}/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": "Z",
-                    "max_tokens": 300,
-                    "temperature": 0,
-                    "session_id": "busy",
-                },
-            )
-            task = asyncio.create_task(long)
-            await asyncio.sleep(0.3)
-            others = await asyncio.gather(
-                client.post(f"{base}/v1/sessions/busy/compact", json={"ratio": 2}),
-                client.post(
-                    f"{base}/v1/completions",
-                    json={"model": "tiny", "prompt": "Y", "max_tokens": 4, "session_id": "busy"},
-                ),
-            )
-            return await task, others
+            holder = {
+                "model": "tiny",
+                "prompt": "Z",
+                "max_tokens": 300,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "session_id": "busy",
+            }
+            async with client.stream("POST", f"{base}/v1/completions", json=holder) as long:
+                chunks = long.aiter_lines()
+                await anext(chunks)  # the first token is out: the session's lock is held now
+                others = await asyncio.gather(
+                    client.post(f"{base}/v1/sessions/busy/compact", json={"ratio": 2}),
+                    client.post(
+                        f"{base}/v1/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": "Y",
+                            "max_tokens": 4,
+                            "session_id": "busy",
+                        },
+                    ),
+                )
+                lines = [line async for line in chunks]
+            return long, lines, others
 
-    first, others = asyncio.run(storm())
-    assert first.status_code == 200
+    first, lines, others = asyncio.run(storm())
+    assert first.status_code == 200 and "data: [DONE]" in lines[-2:], lines[-3:]
     codes = [r.status_code for r in others]
-    assert set(codes) <= {200, 409} and 409 in codes  # the lock wait (1 s) ran out
+    assert set(codes) <= {200, 409} and 409 in codes  # the lock wait (0.05 s) ran out
     assert all(r.json()["error"]["code"] == "session_busy" for r in others if r.status_code == 409)
     info = httpx.get(f"{base}/v1/sessions/busy").json()
     assert info["physical_tokens"] <= info["logical_length"] < info["tokens"] + 1

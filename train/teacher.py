@@ -175,6 +175,17 @@ def task_accuracy(
     return 100.0 * correct / n
 
 
+def parse_weights(text: str) -> dict[str, int]:
+    """ "addition3=1,trace4=2,prose=1" -> {"addition3": 1, ...} (batches per round)."""
+    weights = {}
+    for part in text.split(","):
+        name, _, count = part.partition("=")
+        if name not in KINDS or not count.isdigit():
+            raise ValueError(f"bad --weights entry {part!r}; kinds: {', '.join(KINDS)}")
+        weights[name] = int(count)
+    return weights
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -185,6 +196,10 @@ def train(args: argparse.Namespace) -> None:
     model = new_model(hf_config, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step = 0
+    if args.init and not ckpt_path.exists():
+        # Weights only: a new run (fresh optimizer and schedule) continuing an earlier one.
+        model.load_state_dict(torch.load(args.init, weights_only=False)["model"])
+        print(f"initialized from {args.init}")
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(state["model"])
@@ -195,7 +210,11 @@ def train(args: argparse.Namespace) -> None:
     (out / "train_args.json").write_text(json.dumps(vars(args), indent=2))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"teacher: {n_params / 1e6:.2f}M params, {asdict(shape)}")
-    mixture = Mixture(seed=args.seed + step, tokens_per_batch=args.tokens_per_batch)
+    mixture = Mixture(
+        seed=args.seed + step,
+        tokens_per_batch=args.tokens_per_batch,
+        weights=parse_weights(args.weights),
+    )
     pattern = AttentionPattern.bidirectional()
     bar = tqdm(total=args.steps, initial=step, desc="teacher", unit="step")
     batches = mixture.batches(step)
@@ -263,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-n", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--init", help="start from this run's ckpt.pt (weights only)")
+    p.add_argument("--weights", default="addition3=1,trace4=1,prose=1", help="batches per round")
     train(p.parse_args(argv))
 
 
