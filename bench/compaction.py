@@ -215,7 +215,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 3072, 4096, 5120, 6144])
     p.add_argument("--facts", type=int, default=20)
     p.add_argument("--ratios", type=float, nargs="+", default=[5, 10, 20, 50])
-    p.add_argument("--methods", nargs="+", default=list(QUERY_SOURCE))
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(QUERY_SOURCE),
+        help="METHOD or METHOD:QUERY_SOURCE (e.g. am-highest-fast:on-policy); the default "
+        "source per method is the one its paper uses",
+    )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for method in args.methods:
                 cache = full.extract_row(0)
+                name, _, source = method.partition(":")
                 report = compact_row(
                     model,
                     tok,
@@ -281,8 +288,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     0,
                     ids,
                     target,
-                    method,
-                    QUERY_SOURCE[method],
+                    name,
+                    source or QUERY_SOURCE[name],
                     args.keep_recent,
                     seed=args.seed,
                 )

@@ -1,11 +1,14 @@
 """Diffusion decoding, side by side: vanilla vs fast_dllm vs cdlm (the paper's Table 1).
 
+    python -m bench.dlm [--limit N] [--variant NAME=DIR ...] [--json out.json]
     python -m bench.dlm --model DIR --prompts FILE.jsonl [--cdlm-model DIR] [--json out.json]
     python -m bench.dlm --per-step [--json out.json]
 
-Each JSONL line is {"prompt": ..., "reference": ... (optional)}. Every prompt is decoded alone
-(batch 1) by each decoder in turn, so machine noise hits all three alike; reported per decoder:
-median latency per answer, mean steps (forward passes), tokens/s, and exact match (%) against
+With no model arguments it evaluates the shipped teacher (vanilla, fast_dllm) and student
+(cdlm) on our held-out suites: see bench/cdlm_suites.py. Otherwise each JSONL line is
+{"prompt": ..., "reference": ... (optional)}. Every prompt is decoded alone (batch 1) by each
+decoder in turn, so machine noise hits all three alike; reported per decoder: median latency
+per answer, mean steps (forward passes), tokens/s, and exact match (%) against
 the references where they exist. vanilla and fast_dllm run `--model` (the bidirectional
 teacher); cdlm runs `--cdlm-model` (the block-causal student), or `--model` if none is given.
 
@@ -221,13 +224,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path)
+    suites = parser.add_argument_group("the shipped models on the held-out suites (the default)")
+    suites.add_argument("--teacher", default="cdlm-teacher", help="name or folder")
+    suites.add_argument("--student", default="cdlm-student", help="name or folder")
+    suites.add_argument(
+        "--variant", action="append", help="NAME=FOLDER: another student to run with cdlm"
+    )
+    suites.add_argument("--text-limit", type=int, help="text-suite prompts (default: --limit)")
+    suites.add_argument("--batch", type=int, default=32, help="batch for the task suites")
     args = parser.parse_args(argv)
     if args.per_step:
         result = run_per_step(args)
-    else:
+    elif args.model or args.prompts:
         if not (args.model and args.prompts):
-            parser.error("--model and --prompts are needed (or --per-step)")
+            parser.error("--model and --prompts go together")
         result = run_table(args)
+    else:
+        from bench import cdlm_suites
+
+        args.limit = args.limit or 500
+        args.text_limit = args.text_limit or min(args.limit, 100)
+        result = cdlm_suites.run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

@@ -6,6 +6,11 @@
      again, run against the row's real cache (nothing is committed);
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
+   - on-policy: the repeat queries again, but layer l's are taken with layers < l already
+     compacted, so each layer is fitted to the inputs it will really see afterwards. One pass:
+     the capture hook of layer l compacts layer l on a working copy of the row before that
+     layer attends (its dropped slots masked with a -inf bias), so the layers above run on
+     the compacted layers below.
    Queries that come after the context are the useful reference: they are what later requests
    look like, and a bias fitted to the context's own queries does not carry over to them.
 2. Per layer and KV head, `engine.compaction.compact_head` on the region [0, T - keep_recent)
@@ -27,7 +32,7 @@ from engine.compaction import METHODS, HeadInputs, compact_head, relative_output
 from engine.kv_cache import KVCache
 from models.transformer import Transformer, capture_queries
 
-QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study")
+QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
 
@@ -162,37 +167,22 @@ def compact_row(
         raise ValueError(f"target {target} must be between 1 and the {region} slots compacted")
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    cfg = model.config
-    queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source)
-    seconds["queries"] = time.perf_counter() - started
-    group = cfg.num_heads // cfg.num_kv_heads
-    generator = torch.Generator().manual_seed(seed)
-    new_keys, new_values, new_biases, errors = [], [], [], []
-    for layer in range(cfg.num_layers):
-        keys, values, bias = cache.read(row, layer)  # [Hkv, T, D], [Hkv, T]
-        q = queries[layer].cpu()  # [H, n, D]
-        layer_k, layer_v, layer_b = [], [], []
-        for g in range(cfg.num_kv_heads):
-            pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
-            if pooled.shape[0] > max_queries:
-                pick = torch.randperm(pooled.shape[0], generator=generator)[:max_queries]
-                pooled = pooled[pick.sort().values]
-            h = HeadInputs(
-                keys=keys[g, :region].float().cpu(),
-                values=values[g, :region].float().cpu(),
-                queries=pooled,
-                scale=cfg.head_dim**-0.5,
-                bias=None if bias is None else bias[g, :region].float().cpu(),
+    fit = _LayerFit(model.config, cache, row, region, target, method, seed, max_queries, seconds)
+    if query_source == "on-policy":
+        n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit)
+        fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
+        seconds["queries"] = time.perf_counter() - started - fitting  # the forward's share
+    else:
+        if query_source not in QUERY_SOURCES:
+            raise ValueError(
+                f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
             )
-            r = compact_head(h, target, method, generator, seconds)
-            errors.append(relative_output_error(h, r))
-            layer_k.append(r.keys)
-            layer_v.append(r.values)
-            layer_b.append(r.bias)
-        device = keys.device
-        new_keys.append(torch.stack(layer_k).to(device))
-        new_values.append(torch.stack(layer_v).to(device))
-        new_biases.append(torch.stack(layer_b).to(device))
+        queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source)
+        seconds["queries"] = time.perf_counter() - started
+        for layer in range(model.config.num_layers):
+            fit(layer, queries[layer])
+        n_queries = int(queries[0].shape[1])
+    new_keys, new_values, new_biases, errors = fit.keys, fit.values, fit.biases, fit.errors
     cache.replace_prefix(row, region, new_keys, new_values, new_biases)
     seconds = {k: round(v, 4) for k, v in seconds.items()}
     seconds["total"] = round(time.perf_counter() - started, 4)
@@ -204,7 +194,115 @@ def compact_row(
         logical_length=cache.logical[row],
         region=region,
         target=target,
-        reference_queries=int(queries[0].shape[1]),
+        reference_queries=n_queries,
         output_error=round(sum(errors) / len(errors), 5),
         seconds=seconds,
     )
+
+
+class _LayerFit:
+    """Compacts one layer of a row (every KV head) from its reference queries, and collects
+    the segments for `KVCache.replace_prefix`."""
+
+    def __init__(self, cfg, cache, row, region, target, method, seed, max_queries, seconds):
+        self.cfg, self.cache, self.row, self.region = cfg, cache, row, region
+        self.target, self.method, self.max_queries, self.seconds = (
+            target,
+            method,
+            max_queries,
+            seconds,
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.biases: list[Tensor] = []
+        self.errors: list[float] = []
+
+    def __call__(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t])."""
+        cfg, region = self.cfg, self.region
+        group = cfg.num_heads // cfg.num_kv_heads
+        keys, values, bias = self.cache.read(self.row, layer)  # [Hkv, T, D], [Hkv, T]
+        q = queries.cpu()
+        layer_k, layer_v, layer_b = [], [], []
+        for g in range(cfg.num_kv_heads):
+            pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
+            if pooled.shape[0] > self.max_queries:
+                pick = torch.randperm(pooled.shape[0], generator=self.generator)
+                pooled = pooled[pick[: self.max_queries].sort().values]
+            h = HeadInputs(
+                keys=keys[g, :region].float().cpu(),
+                values=values[g, :region].float().cpu(),
+                queries=pooled,
+                scale=cfg.head_dim**-0.5,
+                bias=None if bias is None else bias[g, :region].float().cpu(),
+            )
+            r = compact_head(h, self.target, self.method, self.generator, self.seconds)
+            self.errors.append(relative_output_error(h, r))
+            layer_k.append(r.keys)
+            layer_v.append(r.values)
+            layer_b.append(r.bias)
+        device = keys.device
+        out = (
+            torch.stack(layer_k).to(device),
+            torch.stack(layer_v).to(device),
+            torch.stack(layer_b).to(device),
+        )
+        self.keys.append(out[0])
+        self.values.append(out[1])
+        self.biases.append(out[2])
+        return out
+
+
+class _OnPolicySink(list):
+    """Stands in for a layer's query-capture list: when the layer hands over its queries
+    (before it attends), compact it and splice the result into the working copy, so this
+    layer's attention, and every layer above, runs on the compacted cache."""
+
+    def __init__(self, layer: int, fit: _LayerFit, work: KVCache):
+        super().__init__()
+        self.layer, self.fit, self.work = layer, fit, work
+
+    def append(self, q: Tensor) -> None:  # q [1, H, n, D]
+        keys, values, beta = self.fit(self.layer, q[0])
+        t, region = keys.shape[1], self.fit.region
+        k_buf, v_buf = self.work.keys[self.layer], self.work.values[self.layer]
+        b_buf = self.work.biases[self.layer]  # type: ignore[index]
+        k_buf[0, :, :t] = keys.to(k_buf.dtype)
+        v_buf[0, :, :t] = values.to(v_buf.dtype)
+        b_buf[0, :, :t] = beta.to(b_buf.dtype)
+        # The slots the segment replaces stay in place (so every layer keeps one length) but
+        # can no longer be attended to.
+        k_buf[0, :, t:region] = 0
+        v_buf[0, :, t:region] = 0
+        b_buf[0, :, t:region] = float("-inf")
+        super().append(q)
+
+
+@torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
+def _on_policy(
+    model: Transformer,
+    tokenizer: Any,
+    cache: KVCache,
+    row: int,
+    context_ids: list[int],
+    fit: _LayerFit,
+) -> int:
+    """Compact every layer in one pass of the repeat sequence over a working copy of the row;
+    returns the number of reference queries per layer."""
+    work = copy_row(cache, row)
+    if work.biases is None:
+        work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
+    ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
+    work.ensure_capacity(work.lengths[0] + len(ids))
+    sinks = [_OnPolicySink(i, fit, work) for i in range(model.config.num_layers)]
+    for block, sink in zip(model.layers, sinks, strict=True):
+        block.attn.captured = sink
+    model._capturing = True
+    try:
+        model(torch.tensor([ids], device=model.device), cache=work, commit=False)
+    finally:
+        model._capturing = False
+        for block in model.layers:
+            block.attn.captured = None
+    return len(ids)

@@ -300,12 +300,14 @@ class DLMEngine:
             return self.model(
                 tokens, pattern=AttentionPattern.bidirectional(), valid=valid if padded else None
             )
-        capacity = max(len(r.seq.prompt) + r.seq.gen_len + 2 * r.seq.size for r in rows)
-        cache = self._cache(mode, capacity)
+        cache = self._cache(mode, 0)
         if mode == "fast_dllm":
             for r in rows:
                 if r.seq.refresh:
                     cache.reset(r.seq.row)
+        # Every row writes q_max scratch slots (its padding too) after what it holds.
+        cache.ensure_capacity(max(cache.lengths[:n]) + q_max)
+        if mode == "fast_dllm":
             pattern = AttentionPattern.bidirectional()
         elif n == 1:  # host ints let the model skip the mask on single-block steps
             pattern = AttentionPattern.block_causal(rows[0].seq.size, len(rows[0].seq.prompt))

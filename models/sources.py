@@ -20,6 +20,15 @@ BUILTIN: dict[str, WheelModel] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2,
 }
 
+# Models trained by this project (train/) and shipped inside the repository: the CDLM student is
+# the default diffusion model, its teacher the baseline it is measured against.
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+SHIPPED = {
+    "cdlm-student": SHIPPED_DIR / "cdlm-student",
+    "cdlm-teacher": SHIPPED_DIR / "cdlm-teacher",
+}
+DEFAULT_DLM_MODEL = "cdlm-student"
+
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
@@ -30,13 +39,18 @@ class ModelNotFound(ValueError):
 def resolve(spec: str, home: Path | None = None) -> Path:
     if spec in BUILTIN:
         return ensure_model(BUILTIN[spec], home)
+    if spec in SHIPPED:
+        if not (SHIPPED[spec] / "config.json").is_file():
+            raise ModelNotFound(f"the shipped model {spec!r} is missing from {SHIPPED[spec]}")
+        return SHIPPED[spec]
     path = Path(spec).expanduser()
     if path.exists():
         return path.resolve()
     if _HUB_ID.fullmatch(spec):
         return _hub_download(spec)
     raise ModelNotFound(
-        f"{spec!r} is not a built-in model ({', '.join(BUILTIN)}), a local path, or a hub id"
+        f"{spec!r} is not a built-in model ({', '.join([*BUILTIN, *SHIPPED])}), a local path, "
+        "or a hub id"
     )
 
 
@@ -57,6 +71,8 @@ def default_name(spec: str, path: Path) -> str:
     """The name a model is served under when the user gives none."""
     if spec in BUILTIN:
         return BUILTIN[spec].name
+    if spec in SHIPPED:
+        return spec
     if _HUB_ID.fullmatch(spec) and not Path(spec).exists():
         return spec
     return path.stem if path.is_file() else path.name

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from models import kernels
-from models.sources import DEFAULT_AR_MODEL, default_name, resolve
+from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL, SHIPPED, default_name, resolve
 
+DEFAULT_MODELS = f"{DEFAULT_AR_MODEL},{DEFAULT_DLM_MODEL}"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="[NAME=]SOURCE",
         help="a model to serve; repeat for several. SOURCE is a built-in name "
-        f"({DEFAULT_AR_MODEL}), a local HF folder, a .gguf file, a LoRA adapter folder or a hub "
-        "id; NAME is what clients put in `model`. Env: CDLM_SERVE_MODEL (comma-separated). "
-        f"Default: {DEFAULT_AR_MODEL}.",
+        f"({DEFAULT_AR_MODEL}, {', '.join(SHIPPED)}), a local HF folder, a .gguf file, a LoRA "
+        "adapter folder or a hub id; NAME is what clients put in `model`. Env: CDLM_SERVE_MODEL "
+        f"(comma-separated). Default: {DEFAULT_MODELS} (the AR model and our CDLM student).",
     )
     serve.add_argument(
         "--host",
@@ -156,7 +157,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from server.app import ServerSettings, create_app
 
-    specs = args.model or (_env("MODEL") or DEFAULT_AR_MODEL).split(",")
+    specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
     device = pick_device(args.device)
     settings = ServerSettings(
         models=[parse_model_spec(s.strip()) for s in specs if s.strip()],

@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.compaction import METHODS
+from engine.compactor import QUERY_SOURCES
+
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
@@ -182,16 +185,7 @@ class CompactRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     ratio: float | None = Field(None, ge=1.0)
     target_tokens: int | None = Field(None, ge=1)
-    method: Literal[
-        "am-omp",
-        "am-omp-fast",
-        "am-highest",
-        "am-highest-fast",
-        "snapkv",
-        "h2o",
-        "streaming",
-        "kvzip",
-        "random",
-    ] = "am-highest"
-    query_source: Literal["context", "repeat", "self-study", "repeat+self-study"] = "repeat"
+    # One source of truth: the engine's own lists (typing reads a tuple as the values).
+    method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]
+    query_source: Literal[QUERY_SOURCES] = "repeat"  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)

@@ -120,7 +120,7 @@ def _next_logits(model, cache, token):
         return model.logits(model(torch.tensor([[token]]), cache=cache))[0, -1]
 
 
-@pytest.mark.parametrize("source", ["context", "repeat", "self-study"])
+@pytest.mark.parametrize("source", ["context", "repeat", "self-study", "on-policy"])
 def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
     from engine.compactor import compact_row
 
@@ -174,3 +174,24 @@ def test_compacted_cache_continues_from_the_logical_length(tiny):
     compact_row(model, tok, cache, 0, ids, target=40, query_source="repeat", keep_recent=8)
     again = compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
     assert cache.lengths == [28] and cache.logical == [120] and again.tokens_before == 48
+
+
+def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
+    from engine.compactor import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    segments = {}
+    for source in ("repeat", "on-policy"):
+        cache = _prefilled(model, ids)
+        report = compact_row(
+            model, tok, cache, 0, ids, target=16, query_source=source, keep_recent=8
+        )
+        assert cache.lengths == [24] and cache.logical == [90]
+        assert report.reference_queries > len(ids)  # the instruction + the context
+        segments[source] = [cache.read(0, layer) for layer in range(model.config.num_layers)]
+    # Layer 0 sees the same queries either way (nothing below it); layer 1 on-policy sees the
+    # outputs of a compacted layer 0, so its fit differs.
+    for a, b in zip(segments["repeat"][0], segments["on-policy"][0], strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.allclose(segments["repeat"][1][2], segments["on-policy"][1][2], atol=1e-4)

@@ -228,3 +228,33 @@ def test_a_model_that_predicts_the_mask_token_still_finishes(tmp_path, decoding)
     ids = [t for o in outs for t in o.token_ids]
     assert outs[-1].finish_reason == "length" and len(ids) == 16
     assert tiny_models.MASK_ID not in ids and outs[-1].steps <= 16 + 1
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
+def test_long_requests_joining_mid_answer_fit_the_cache(engine, decoding):
+    # A late joiner's first pass (fast_dllm: prompt + whole answer) is padded onto rows that
+    # already hold most of their answer: the shared cache must fit the longest row + q_max.
+    # (It used to be sized per row only: "the view grew its own buffers".)
+    reqs = [(_prompt(40, s), 40) for s in (4, 5, 6)]
+    params = [
+        DLMParams(max_tokens=n, block_size=8, decoding=decoding, threshold=0.9, ignore_eos=True)
+        for _, n in reqs
+    ]
+    alone = [
+        [t for o in engine.generate(p, par) for t in o.token_ids]
+        for (p, _), par in zip(reqs, params, strict=True)
+    ]
+    seqs = [
+        engine.new_sequence(f"r{i}", p, par)
+        for i, ((p, _), par) in enumerate(zip(reqs, params, strict=True))
+    ]
+    got: dict[str, list[int]] = {}
+    engine.add(seqs[0])
+    for n_steps in range(10_000):
+        if n_steps in (9, 17):
+            engine.add(seqs[1 if n_steps == 9 else 2])
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        if not engine.has_work():
+            break
+    assert [got[f"r{i}"] for i in range(3)] == alone
