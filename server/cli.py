@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from models import kernels
-from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL, SHIPPED, default_name, resolve
+from models.sources import DEFAULT_AR_MODEL, SHIPPED, default_name, resolve
 
-DEFAULT_MODELS = f"{DEFAULT_AR_MODEL},{DEFAULT_DLM_MODEL}"
+# The CDLM student joins the defaults once it is shipped (models/shipped/, issue 4).
+DEFAULT_MODELS = DEFAULT_AR_MODEL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model to serve; repeat for several. SOURCE is a built-in name "
         f"({DEFAULT_AR_MODEL}, {', '.join(SHIPPED)}), a local HF folder, a .gguf file, a LoRA "
         "adapter folder or a hub id; NAME is what clients put in `model`. Env: CDLM_SERVE_MODEL "
-        f"(comma-separated). Default: {DEFAULT_MODELS} (the AR model and our CDLM student).",
+        f"(comma-separated). Default: {DEFAULT_MODELS}.",
     )
     serve.add_argument(
         "--host",

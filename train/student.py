@@ -42,7 +42,7 @@ from tqdm import tqdm
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import Transformer
-from train.teacher import export_model, lr_at, save_atomic, task_accuracy
+from train.teacher import export_model, lr_at, save_atomic, task_eval
 from train.tokenizer import MASK_ID
 from train.trajectories import Trajectories, load
 
@@ -71,8 +71,11 @@ class Batch:
     truth_block: Tensor  # [N, B]
 
 
-def draw(traj: Trajectories, n: int, block: int, gen: torch.Generator) -> Batch:
-    """A batch of n rows, one block index for all, (t, t*) per row."""
+def draw(
+    traj: Trajectories, n: int, block: int, gen: torch.Generator, device: str = "cpu"
+) -> Batch:
+    """A batch of n rows, one block index for all, (t, t*) per row (drawn on the CPU, where
+    the trajectories live, then moved to `device`)."""
     rows = torch.randint(len(traj.tokens), (n,), generator=gen)
     length = traj.tokens.shape[1]
     b = int(torch.randint(length // block, (1,), generator=gen))
@@ -84,7 +87,7 @@ def draw(traj: Trajectories, n: int, block: int, gen: torch.Generator) -> Batch:
     tokens = traj.tokens[rows, lo:hi]
     y_mask = order >= (lo + t)[:, None]
     star_mask = order >= (lo + t_star)[:, None]
-    return Batch(
+    batch = Batch(
         prompt=traj.prompt[rows],
         before=traj.tokens[rows, :lo],
         y=torch.where(y_mask, MASK_ID, tokens),
@@ -95,6 +98,9 @@ def draw(traj: Trajectories, n: int, block: int, gen: torch.Generator) -> Batch:
         truth_before=traj.truth[rows, :lo],
         truth_block=traj.truth[rows, lo:hi],
     )
+    for name in Batch.__slots__:
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
 
 
 def block_logits(model: Transformer, prompt: Tensor, before: Tensor, block: Tensor) -> Tensor:
@@ -132,8 +138,8 @@ def losses(
         out["consistency"] = torch.zeros(())
     if weights.dlm:
         n, size = batch.truth_block.shape
-        u = torch.rand(n, 1, generator=gen) * (1 - 1e-3) + 1e-3  # [N, 1] mask ratio
-        masked = torch.rand(n, size, generator=gen) < u
+        u = (torch.rand(n, 1, generator=gen) * (1 - 1e-3) + 1e-3).to(batch.y.device)  # [N, 1]
+        masked = torch.rand(n, size, generator=gen).to(batch.y.device) < u
         noisy = torch.where(masked, MASK_ID, batch.truth_block)
         dlm_logits = block_logits(student, batch.prompt, batch.truth_before, noisy)
         ce = F.cross_entropy(dlm_logits[masked], batch.truth_block[masked], reduction="none")
@@ -155,8 +161,10 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / r
-        self.lora_A = nn.Parameter(torch.randn(r, base.in_features) / math.sqrt(base.in_features))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))  # starts as the identity
+        kw = {"device": base.weight.device}
+        a = torch.randn(r, base.in_features, **kw) / math.sqrt(base.in_features)
+        self.lora_A = nn.Parameter(a)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **kw))  # starts as identity
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
@@ -200,7 +208,7 @@ def train(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path = out / "ckpt.pt", out / "log.jsonl"
     weights = Weights(args.w_distill, args.w_consistency, args.w_dlm)
-    teacher, _ = load_model(Path(args.teacher), dtype=torch.float32)
+    teacher, _ = load_model(Path(args.teacher), args.device, torch.float32)
     hf_config = json.loads((Path(args.teacher) / "config.json").read_text())
     teacher_head = teacher.lm_head.weight.detach().clone() if teacher.lm_head is not None else None
     if teacher_head is None:
@@ -216,6 +224,10 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     gen = torch.Generator().manual_seed(args.seed)
+    if args.init and not ckpt_path.exists():
+        # Weights only (fresh optimizer and schedule): continue an earlier student run.
+        student.load_state_dict(torch.load(args.init, weights_only=False)["model"])
+        print(f"initialized from {args.init}")
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False)
         student.load_state_dict(state["model"])
@@ -239,11 +251,12 @@ def train(args: argparse.Namespace) -> None:
     with log_path.open("a") as log:
         while step < args.steps:
             kind = schedule[step % len(schedule)]
-            batch = draw(traj[kind], args.batch, block, gen)
+            batch = draw(traj[kind], args.batch, block, gen, args.device)
             lr = lr_at(step, args.steps, args.lr, args.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            device_type = torch.device(args.device).type
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.bf16):
                 terms = losses(student, teacher_head, batch, weights, gen)
             opt.zero_grad(set_to_none=True)
             terms["total"].backward()
@@ -258,9 +271,8 @@ def train(args: argparse.Namespace) -> None:
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 student.eval()
                 for task in ("addition3", "trace4"):
-                    record[f"em_{task}"] = task_accuracy(
-                        student, task, args.eval_n, block, "cdlm", args.threshold
-                    )
+                    em, steps = task_eval(student, task, args.eval_n, block, "cdlm", args.threshold)
+                    record[f"em_{task}"], record[f"steps_{task}"] = em, round(steps, 2)
                 student.train()
                 tqdm.write(json.dumps(record))
             log.write(json.dumps(record) + "\n")
@@ -297,11 +309,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--w-consistency", type=float, default=0.5)
     p.add_argument("--w-dlm", type=float, default=0.01)
     p.add_argument("--mix", default="addition3=1,trace4=1,prose=1", help="batches per round")
+    p.add_argument("--init", help="start from this student run's ckpt.pt (weights only)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: train all weights)")
     p.add_argument("--lora-alpha", type=float, default=0.0, help="default 2 * rank")
     p.add_argument("--threshold", type=float, default=0.9, help="tau for eval and the export")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-n", type=int, default=100)

@@ -146,7 +146,6 @@ def export_model(
     os.replace(tmp, out)
 
 
-@torch.inference_mode()
 def task_accuracy(
     model: Transformer,
     task: str,
@@ -156,10 +155,24 @@ def task_accuracy(
     threshold: float = 0.9,
 ) -> float:
     """Exact match (%) on the first n held-out problems, one token per step by default."""
+    return task_eval(model, task, n, block_size, decoding, threshold)[0]
+
+
+@torch.inference_mode()
+def task_eval(
+    model: Transformer,
+    task: str,
+    n: int,
+    block_size: int = 8,
+    decoding: str = "vanilla",
+    threshold: float = 0.9,
+) -> tuple[float, float]:
+    """(exact match %, mean steps per answer) on the first n held-out problems."""
     kind = KINDS[task]
     engine = DLMEngine(model, byte_tokenizer(), model.config.max_position_embeddings, max_batch=32)
     examples = TASKS[task].held_out()[:n]
     answers: dict[str, list[str]] = {}
+    steps: dict[str, int] = {}
     for i, ex in enumerate(examples):
         params = DLMParams(
             max_tokens=kind.answer_len,
@@ -171,8 +184,9 @@ def task_accuracy(
     while engine.has_work():
         for out in engine.step():
             answers.setdefault(out.request_id, []).append(out.text)
+            steps[out.request_id] = out.steps
     correct = sum(exact_match("".join(answers[str(i)]), ex.answer) for i, ex in enumerate(examples))
-    return 100.0 * correct / n
+    return 100.0 * correct / n, sum(steps.values()) / n
 
 
 def parse_weights(text: str) -> dict[str, int]:

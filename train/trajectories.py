@@ -75,13 +75,16 @@ def decode(
 
     prompt [N, P] -> tokens [N, L], order [N, L], hidden [N, L, B, d] (model dtype).
     """
+    device = model.device
+    prompt = prompt.to(device)
     n, p = prompt.shape
     if answer_len % block:
         raise ValueError(f"answer length {answer_len} is not a whole number of blocks of {block}")
-    x = torch.cat([prompt, torch.full((n, answer_len), MASK_ID)], dim=1)  # [N, P + L]
-    order = torch.full((n, answer_len), -1, dtype=torch.long)
-    hidden_out = torch.empty(n, answer_len, block, model.config.hidden_size, dtype=model.dtype)
-    rows = torch.arange(n)
+    x = torch.cat([prompt, torch.full((n, answer_len), MASK_ID, device=device)], 1)  # [N, P + L]
+    order = torch.full((n, answer_len), -1, dtype=torch.long, device=device)
+    shape = (n, answer_len, block, model.config.hidden_size)
+    hidden_out = torch.empty(shape, dtype=model.dtype, device=device)
+    rows = torch.arange(n, device=device)
     pattern = AttentionPattern.bidirectional()
     for step in range(answer_len):
         b0 = p + (step // block) * block  # the current block's first position
@@ -141,7 +144,7 @@ def generate(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, _ = load_model(Path(args.teacher), dtype=getattr(torch, args.dtype))
+    model, _ = load_model(Path(args.teacher), args.device, getattr(torch, args.dtype))
     model.eval()
     manifest = read_manifest(out)
     manifest.update(teacher=str(args.teacher), block=args.block, prose_len=args.prose_len)
@@ -162,17 +165,17 @@ def generate(args: argparse.Namespace) -> None:
         prompt, truth = _prompts(kind, args.shard_size, shard, args.seed)
         length = answer_len(kind, args.prose_len)
         truth = truth[:, :length]
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{args.seed}".encode()))
+        gen = torch.Generator(model.device).manual_seed(zlib.crc32(f"{name}-{args.seed}".encode()))
         started = time.perf_counter()
         tokens, order, hidden = decode(model, prompt, length, args.block, temp, gen)
         write_shard(
             out / name,
             {
                 "prompt": prompt,
-                "tokens": tokens,
-                "order": order,
+                "tokens": tokens.cpu(),
+                "order": order.cpu(),
                 "truth": truth,
-                "hidden": hidden.to(torch.float16),
+                "hidden": hidden.to(torch.float16).cpu(),
             },
         )
         manifest["shards"].append(
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard-size", type=int, default=128, help="prompts per shard")
     p.add_argument("--prose-len", type=int, default=64, help="answer tokens per prose prompt")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     generate(p.parse_args(argv))
