@@ -215,6 +215,15 @@ def train(args: argparse.Namespace) -> None:
         teacher_head = teacher.embed_tokens.weight.detach().clone()
     student = copy.deepcopy(teacher)
     del teacher
+    if args.init and not ckpt_path.exists():  # before LoRA wraps (and renames) the layers
+        # Weights only (fresh optimizer and schedule): continue an earlier student run.
+        if Path(args.init).is_dir():  # an exported model folder (e.g. a shipped snapshot)
+            start, _ = load_model(Path(args.init), args.device, torch.float32)
+            state = start.state_dict()
+        else:
+            state = torch.load(args.init, weights_only=False)["model"]
+        student.load_state_dict(state)
+        print(f"initialized from {args.init}")
     if args.lora:
         add_lora(student, args.lora, args.lora_alpha or 2 * args.lora)
     else:
@@ -224,10 +233,6 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     gen = torch.Generator().manual_seed(args.seed)
-    if args.init and not ckpt_path.exists():
-        # Weights only (fresh optimizer and schedule): continue an earlier student run.
-        student.load_state_dict(torch.load(args.init, weights_only=False)["model"])
-        print(f"initialized from {args.init}")
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False)
         student.load_state_dict(state["model"])
@@ -309,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--w-consistency", type=float, default=0.5)
     p.add_argument("--w-dlm", type=float, default=0.01)
     p.add_argument("--mix", default="addition3=1,trace4=1,prose=1", help="batches per round")
-    p.add_argument("--init", help="start from this student run's ckpt.pt (weights only)")
+    p.add_argument(
+        "--init", help="start from a student run's ckpt.pt or a model folder (weights only)"
+    )
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: train all weights)")
     p.add_argument("--lora-alpha", type=float, default=0.0, help="default 2 * rank")
     p.add_argument("--threshold", type=float, default=0.9, help="tau for eval and the export")
