@@ -325,11 +325,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def summarize(rows: list[dict], ratios: list[float], methods: list[str]) -> list[dict]:
     """Median (and min..max) over contexts, per method and ratio; printed as tables."""
     out = []
+    width = max(18, *(len(m) + 2 for m in methods))
     for key in ("facts_kept", "cont_kept", "recon_kept", "facts_em", "out_err"):
         print(f"\n{key} (median over contexts, [min, max])")
-        print(f"{'method':<18}" + "".join(f"{r:>18.0f}x" for r in ratios))
+        print(f"{'method':<{width}}" + "".join(f"{r:>18.0f}x" for r in ratios))
         for method in methods:
-            line = f"{method:<18}"
+            line = f"{method:<{width}}"
             for ratio in ratios:
                 vals = [r[key] for r in rows if r["method"] == method and r["ratio"] == ratio]
                 if not vals:
