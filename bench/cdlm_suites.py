@@ -33,7 +33,7 @@ from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
 from models.transformer import Transformer
 from train.data import KINDS, held_out_prose
-from train.tasks import TASKS, exact_match
+from train.teacher import solve_held_out
 
 SUITES = ("addition3", "trace4")
 
@@ -45,7 +45,7 @@ class Row:
     decoding: str
 
 
-def _engine(folder: Path, dtype: torch.dtype, batch: int) -> DLMEngine:
+def engine_for(folder: Path, dtype: torch.dtype, batch: int) -> DLMEngine:
     model, ckpt = load_model(folder, dtype=dtype)
     tok = load_tokenizer(ckpt.tokenizer_folder or folder)
     return DLMEngine(model, tok, model.config.max_position_embeddings, max_batch=batch)
@@ -61,24 +61,15 @@ def _params(engine: DLMEngine, decoding: str, max_tokens: int, args: Any) -> DLM
 
 
 def task_scores(row: Row, limit: int, args: Any) -> tuple[dict[str, float], float]:
-    """Exact match (%) per suite, and mean steps per answer."""
+    """Exact match (%) per suite, and mean steps per answer over both."""
     scores, steps = {}, []
     for suite in SUITES:
-        examples = TASKS[suite].held_out()[:limit]
-        texts: dict[str, list[str]] = {}
         params = _params(row.engine, row.decoding, KINDS[suite].answer_len, args)
-        for i, ex in enumerate(examples):
-            ids = row.engine.tokenizer.encode(ex.prompt, add_special_tokens=False)
-            row.engine.add(row.engine.new_sequence(str(i), ids, params))
-        while row.engine.has_work():
-            for out in row.engine.step():
-                texts.setdefault(out.request_id, []).append(out.text)
-                if out.finish_reason is not None:
-                    steps.append(out.steps)
-        correct = sum(
-            exact_match("".join(texts[str(i)]), ex.answer) for i, ex in enumerate(examples)
+        em, mean_steps = solve_held_out(
+            row.engine, suite, limit, params.block_size, row.decoding, params.threshold
         )
-        scores[suite] = round(100.0 * correct / len(examples), 2)
+        scores[suite] = round(em, 2)
+        steps.append(mean_steps)
     return scores, statistics.mean(steps)
 
 
@@ -139,13 +130,13 @@ def run(args: Any) -> dict:
     dtype = getattr(torch, args.dtype)
     kernels.enable_cpu_kernels()
     torch.manual_seed(0)
-    teacher = _engine(resolve(args.teacher), dtype, args.batch)
-    student = _engine(resolve(args.student), dtype, args.batch)
+    teacher = engine_for(resolve(args.teacher), dtype, args.batch)
+    student = engine_for(resolve(args.student), dtype, args.batch)
     rows = [Row("vanilla", teacher, "vanilla"), Row("fast_dllm", teacher, "fast_dllm")]
     rows.append(Row("cdlm", student, "cdlm"))
     for spec in args.variant or []:
         name, _, folder = spec.partition("=")
-        rows.append(Row(f"cdlm_{name}", _engine(resolve(folder), dtype, args.batch), "cdlm"))
+        rows.append(Row(f"cdlm_{name}", engine_for(resolve(folder), dtype, args.batch), "cdlm"))
     prose = held_out_prose(args.text_limit)
     prompts = [p for p, _ in prose]
     runs = text_runs(rows, prompts, args)

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from engine.dlm_engine import DECODINGS, DLMEngine, DLMParams
-from engine.served_model import load_tokenizer
+from bench import cdlm_suites
 from models import kernels
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import Transformer
+from train.tasks import exact_match
 
 
 @dataclass(slots=True)
@@ -52,53 +52,30 @@ def read_prompts(path: Path, limit: int | None) -> list[Item]:
     return items[:limit] if limit else items
 
 
-def exact_match(answer: str, reference: str) -> bool:
-    return answer.strip() == reference.strip()
-
-
 def run_table(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     kernels.enable_cpu_kernels()
-    engines: dict[str, DLMEngine] = {}
-    for name, folder in (("teacher", args.model), ("student", args.cdlm_model or args.model)):
-        if name in engines or (
-            name == "student"
-            and folder == args.model
-            and "teacher" in engines
-            and args.cdlm_model is None
-        ):
-            engines[name] = engines["teacher"]
-            continue
-        model, ckpt = load_model(folder, dtype=dtype)
-        tok = load_tokenizer(ckpt.tokenizer_folder or Path(folder))
-        engines[name] = DLMEngine(model, tok, model.config.max_position_embeddings, max_batch=1)
+    teacher = cdlm_suites.engine_for(Path(args.model), dtype, batch=1)
+    student = teacher
+    if args.cdlm_model is not None:
+        student = cdlm_suites.engine_for(Path(args.cdlm_model), dtype, batch=1)
+    rows = [
+        cdlm_suites.Row(d, student if d == "cdlm" else teacher, d)
+        for d in ("vanilla", "fast_dllm", "cdlm")
+    ]
     items = read_prompts(args.prompts, args.limit)
-    runs: dict[str, list[tuple[float, int, int, bool | None]]] = {d: [] for d in DECODINGS}
-    for item in items:
-        for decoding in ("vanilla", "fast_dllm", "cdlm"):
-            engine = engines["student" if decoding == "cdlm" else "teacher"]
-            ids = engine.tokenizer.encode(item.prompt, add_special_tokens=False)
-            params = DLMParams(
-                max_tokens=args.max_tokens,
-                decoding=decoding,
-                block_size=args.block_size or engine.block_size,
-                threshold=engine.threshold if args.threshold is None else args.threshold,
-            )
-            started = time.perf_counter()
-            outs = list(engine.generate(ids, params))
-            latency = time.perf_counter() - started
-            text = "".join(o.text for o in outs)
-            tokens = sum(len(o.token_ids) for o in outs)
-            correct = None if item.reference is None else exact_match(text, item.reference)
-            runs[decoding].append((latency, outs[-1].steps, tokens, correct))
+    runs = cdlm_suites.text_runs(rows, [item.prompt for item in items], args)
     result = {}
-    for decoding, rows in runs.items():
-        latency = statistics.median(r[0] for r in rows)
-        scored = [r[3] for r in rows if r[3] is not None]
+    for decoding, done in runs.items():
+        scored = [
+            exact_match(text, item.reference)
+            for (*_, text), item in zip(done, items, strict=True)
+            if item.reference is not None
+        ]
         result[decoding] = {
-            "latency_s": round(latency, 4),
-            "steps": round(statistics.mean(r[1] for r in rows), 2),
-            "tok_s": round(sum(r[2] for r in rows) / sum(r[0] for r in rows), 2),
+            "latency_s": round(statistics.median(r[0] for r in done), 4),
+            "steps": round(statistics.mean(r[1] for r in done), 2),
+            "tok_s": round(sum(r[2] for r in done) / sum(r[0] for r in done), 2),
             "score": round(100 * sum(scored) / len(scored), 2) if scored else None,
         }
     _print_table(result, len(items), args)
@@ -240,8 +217,6 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error("--model and --prompts go together")
         result = run_table(args)
     else:
-        from bench import cdlm_suites
-
         args.limit = args.limit or 500
         args.text_limit = args.text_limit or min(args.limit, 100)
         result = cdlm_suites.run(args)

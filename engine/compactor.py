@@ -125,8 +125,8 @@ def reference_queries(
     context_ids: list[int],
     source: str,
 ) -> list[Tensor]:
-    if source not in QUERY_SOURCES:
-        raise ValueError(f"unknown query source {source!r}; known: {', '.join(QUERY_SOURCES)}")
+    """Per layer [H, n, D]: the queries of `source`, one of QUERY_SOURCES bar "on-policy" (which
+    only exists during a compaction); `compact_row` checks the name."""
     parts: list[list[Tensor]] = []
     if source == "context":
         parts.append(context_queries(model, context_ids))
@@ -159,6 +159,10 @@ def compact_row(
     fits cost O(queries x tokens), and a few thousand queries already pin t << T slots."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
+    if query_source not in QUERY_SOURCES:
+        raise ValueError(
+            f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
+        )
     length = cache.lengths[row]
     region = length - keep_recent
     if keep_recent < 0 or region < 1:
@@ -173,17 +177,12 @@ def compact_row(
         fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
         seconds["queries"] = time.perf_counter() - started - fitting  # the forward's share
     else:
-        if query_source not in QUERY_SOURCES:
-            raise ValueError(
-                f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
-            )
         queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source)
         seconds["queries"] = time.perf_counter() - started
         for layer in range(model.config.num_layers):
             fit(layer, queries[layer])
         n_queries = int(queries[0].shape[1])
-    new_keys, new_values, new_biases, errors = fit.keys, fit.values, fit.biases, fit.errors
-    cache.replace_prefix(row, region, new_keys, new_values, new_biases)
+    cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
     seconds = {k: round(v, 4) for k, v in seconds.items()}
     seconds["total"] = round(time.perf_counter() - started, 4)
     return CompactionReport(
@@ -195,28 +194,32 @@ def compact_row(
         region=region,
         target=target,
         reference_queries=n_queries,
-        output_error=round(sum(errors) / len(errors), 5),
+        output_error=round(sum(fit.errors) / len(fit.errors), 5),
         seconds=seconds,
     )
 
 
+@dataclass(eq=False)
 class _LayerFit:
     """Compacts one layer of a row (every KV head) from its reference queries, and collects
     the segments for `KVCache.replace_prefix`."""
 
-    def __init__(self, cfg, cache, row, region, target, method, seed, max_queries, seconds):
-        self.cfg, self.cache, self.row, self.region = cfg, cache, row, region
-        self.target, self.method, self.max_queries, self.seconds = (
-            target,
-            method,
-            max_queries,
-            seconds,
-        )
-        self.generator = torch.Generator().manual_seed(seed)
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        self.biases: list[Tensor] = []
-        self.errors: list[float] = []
+    cfg: Any
+    cache: KVCache
+    row: int
+    region: int
+    target: int
+    method: str
+    seed: int
+    max_queries: int
+    seconds: dict[str, float]
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    biases: list[Tensor] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
 
     def __call__(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t])."""

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import Transformer
-from train.teacher import export_model, lr_at, save_atomic, task_eval
+from train.teacher import export_model, lr_at, parse_weights, save_atomic, task_eval
 from train.tokenizer import MASK_ID
 from train.trajectories import Trajectories, load
 
@@ -194,14 +194,6 @@ def merge_lora(model: Transformer) -> None:
                 setattr(module, name, child.merged())
 
 
-def parse_weights(text: str) -> dict[str, int]:
-    out = {}
-    for part in text.split(","):
-        name, _, count = part.partition("=")
-        out[name] = int(count)
-    return out
-
-
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -210,9 +202,8 @@ def train(args: argparse.Namespace) -> None:
     weights = Weights(args.w_distill, args.w_consistency, args.w_dlm)
     teacher, _ = load_model(Path(args.teacher), args.device, torch.float32)
     hf_config = json.loads((Path(args.teacher) / "config.json").read_text())
-    teacher_head = teacher.lm_head.weight.detach().clone() if teacher.lm_head is not None else None
-    if teacher_head is None:
-        teacher_head = teacher.embed_tokens.weight.detach().clone()
+    head = teacher.lm_head if teacher.lm_head is not None else teacher.embed_tokens  # tied
+    teacher_head = head.weight.detach().clone()
     student = copy.deepcopy(teacher)
     del teacher
     if args.init and not ckpt_path.exists():  # before LoRA wraps (and renames) the layers

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from models.transformer import Transformer
 from models.weights import to_checkpoint
 from train.data import KINDS, Mixture
 from train.tasks import TASKS, exact_match
-from train.tokenizer import EOS_ID, MASK_ID, PAD_ID, byte_tokenizer, encode
+from train.tokenizer import EOS_ID, MASK_ID, PAD_ID, byte_tokenizer
 
 VOCAB = 264  # 256 bytes + 4 specials, padded to a multiple of 8
 
@@ -116,12 +117,18 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """`write(tmp)` next to `path`, fsync, rename over `path`: a reader (or a resumed run) sees
+    the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
 def export_model(
@@ -146,18 +153,6 @@ def export_model(
     os.replace(tmp, out)
 
 
-def task_accuracy(
-    model: Transformer,
-    task: str,
-    n: int,
-    block_size: int = 8,
-    decoding: str = "vanilla",
-    threshold: float = 0.9,
-) -> float:
-    """Exact match (%) on the first n held-out problems, one token per step by default."""
-    return task_eval(model, task, n, block_size, decoding, threshold)[0]
-
-
 @torch.inference_mode()
 def task_eval(
     model: Transformer,
@@ -167,26 +162,37 @@ def task_eval(
     decoding: str = "vanilla",
     threshold: float = 0.9,
 ) -> tuple[float, float]:
-    """(exact match %, mean steps per answer) on the first n held-out problems."""
-    kind = KINDS[task]
+    """(exact match %, mean steps per answer) on the first n held-out problems, one token per
+    step by default."""
     engine = DLMEngine(model, byte_tokenizer(), model.config.max_position_embeddings, max_batch=32)
+    return solve_held_out(engine, task, n, block_size, decoding, threshold)
+
+
+@torch.inference_mode()
+def solve_held_out(
+    engine: DLMEngine, task: str, n: int, block_size: int, decoding: str, threshold: float
+) -> tuple[float, float]:
+    """Decode the first n held-out problems of `task` together on an idle engine ->
+    (exact match %, mean steps per answer)."""
+    kind = KINDS[task]
     examples = TASKS[task].held_out()[:n]
+    params = DLMParams(
+        max_tokens=kind.answer_len,
+        decoding=decoding,  # type: ignore[arg-type]
+        block_size=block_size,
+        threshold=threshold,
+    )
+    for i, ex in enumerate(examples):
+        ids = engine.tokenizer.encode(ex.prompt, add_special_tokens=False)
+        engine.add(engine.new_sequence(str(i), ids, params))
     answers: dict[str, list[str]] = {}
     steps: dict[str, int] = {}
-    for i, ex in enumerate(examples):
-        params = DLMParams(
-            max_tokens=kind.answer_len,
-            decoding=decoding,  # type: ignore[arg-type]
-            block_size=block_size,
-            threshold=threshold,
-        )
-        engine.add(engine.new_sequence(str(i), encode(ex.prompt), params))
     while engine.has_work():
         for out in engine.step():
             answers.setdefault(out.request_id, []).append(out.text)
             steps[out.request_id] = out.steps
     correct = sum(exact_match("".join(answers[str(i)]), ex.answer) for i, ex in enumerate(examples))
-    return 100.0 * correct / n, sum(steps.values()) / n
+    return 100.0 * correct / len(examples), sum(steps.values()) / len(examples)
 
 
 def parse_weights(text: str) -> dict[str, int]:
@@ -258,7 +264,7 @@ def train(args: argparse.Namespace) -> None:
             if step % args.eval_every == 0 or step == args.steps:
                 model.eval()
                 for task in ("addition3", "trace4"):
-                    record[f"em_{task}"] = task_accuracy(model, task, args.eval_n)
+                    record[f"em_{task}"] = task_eval(model, task, args.eval_n)[0]
                 model.train()
                 tqdm.write(json.dumps(record))
             log.write(json.dumps(record) + "\n")

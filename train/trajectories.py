@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from models.loading import load_model
 from models.transformer import Transformer
 from train.data import BLOCK, KINDS, TRAIN_NOVELS, Kind, ProseWindows, task_batch
 from train.tasks import TASKS
+from train.teacher import write_atomic
 from train.tokenizer import MASK_ID
 
 
@@ -122,17 +122,12 @@ def answer_len(kind: Kind, prose_len: int) -> int:
 
 
 def write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp)))
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out / "manifest.json")
+    write_atomic(out / "manifest.json", lambda tmp: tmp.write_text(json.dumps(manifest, indent=2)))
 
 
 def read_manifest(out: Path) -> dict:
