@@ -21,13 +21,14 @@ BUILTIN: dict[str, WheelModel] = {
 }
 
 # Models trained by this project (train/) and shipped inside the repository: the CDLM student
-# (the default diffusion model once it matches its teacher; see the model card) and its
-# teacher, the baseline it is measured against.
+# (the default diffusion model, served next to SmolLM2; see the model card) and its teacher,
+# the baseline it is measured against.
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 SHIPPED = {
     "cdlm-student": SHIPPED_DIR / "cdlm-student",
     "cdlm-teacher": SHIPPED_DIR / "cdlm-teacher",
 }
+DEFAULT_DLM_MODEL = "cdlm-student"
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 

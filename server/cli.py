@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from models import kernels
-from models.sources import DEFAULT_AR_MODEL, SHIPPED, default_name, resolve
+from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL, SHIPPED, default_name, resolve
 
-# The CDLM student joins the defaults once it is shipped (models/shipped/, issue 4).
-DEFAULT_MODELS = DEFAULT_AR_MODEL
+# SmolLM2 (autoregressive) and our CDLM student (diffusion, models/shipped/), side by side.
+DEFAULT_MODELS = f"{DEFAULT_AR_MODEL},{DEFAULT_DLM_MODEL}"  # routed by the request's `model`
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

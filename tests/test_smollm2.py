@@ -17,6 +17,8 @@ from engine.ar_engine import AREngine
 from engine.sampling import SamplingParams
 from models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
 from models.loading import load_model
+from train.data import KINDS
+from train.tasks import TASKS, exact_match
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +108,7 @@ def test_default_server_answers_with_the_openai_client(smollm2_dir):
 
     with running_server() as base:  # no --model: the default model
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == [SMOLLM2.name]
+        assert [m.id for m in client.models.list().data] == [SMOLLM2.name, "cdlm-student"]
         out = client.completions.create(
             model=SMOLLM2.name, prompt="The capital of France is", max_tokens=8, temperature=0
         )
@@ -122,3 +124,13 @@ def test_default_server_answers_with_the_openai_client(smollm2_dir):
             )
         )
         assert text == out.choices[0].text
+        # The other default, routed by `model`: the CDLM student on a held-out problem.
+        problems = TASKS["trace4"].held_out()[:4]
+        out = client.completions.create(
+            model="cdlm-student",
+            prompt=[p.prompt for p in problems],
+            max_tokens=KINDS["trace4"].answer_len,
+        )
+        answers = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+        assert sum(exact_match(a, p.answer) for a, p in zip(answers, problems, strict=True)) >= 3
+        assert out.usage.model_extra["steps"] * 3 < out.usage.completion_tokens
