@@ -227,7 +227,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        help="run only these context indices (the others are still drawn, so runs split this "
+        "way see the same contexts as one run; merge them with --summarize)",
+    )
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="print (and with --json write) the tables of earlier runs' --json files, run nothing",
+    )
     args = p.parse_args(argv)
+    if args.summarize:
+        rows = [r for f in args.summarize for r in json.loads(f.read_text())["rows"]]
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        ratios = sorted({r["ratio"] for r in rows})
+        summary = summarize(rows, ratios, methods)
+        if args.json:
+            save_json(args.json, {"rows": rows, "summary": summary})
+        return rows
 
     from transformers import AutoTokenizer
 
@@ -246,6 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for c in range(args.contexts):
         length = args.lengths[c % len(args.lengths)]
         context, facts, continuation = make_context(text, tok, length, args.facts, rng)
+        if args.only is not None and c not in args.only:
+            continue
         ids = tok(context, add_special_tokens=False).input_ids
         repeat = tok("\n\nRepeat the text above exactly.\n\n", add_special_tokens=False).input_ids
         probe = Probe(
@@ -309,6 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "seconds": report.seconds,
                 }
                 rows.append(row)
+                if args.json:  # after every row, so a stopped run keeps what it measured
+                    save_json(args.json, {"rows": rows})
                 print(
                     f"  {ratio:>4.0f}x {method:<16} facts {row['facts_kept']:+.2f} cont "
                     f"{row['cont_kept']:+.2f} recon {row['recon_kept']:+.2f} EM "
@@ -318,8 +344,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
     summary = summarize(rows, args.ratios, args.methods)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        save_json(args.json, {"rows": rows, "summary": summary})
     return rows
+
+
+def save_json(path: Path, obj: dict) -> None:
+    from train.teacher import write_atomic
+
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
 
 
 def summarize(rows: list[dict], ratios: list[float], methods: list[str]) -> list[dict]:

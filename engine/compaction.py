@@ -113,11 +113,10 @@ def omp(h: HeadInputs, t: int, per_iter: int = 1, refit_every: int = 1) -> Tenso
 class _GrowingNNLS:
     """NNLS of the mass on a growing set of exp-score columns, for OMP's refits.
 
-    Refitting from scratch (QR of the n x s column block, then NNLS) at every refit made OMP
-    cost ~2 s per head at t = 400. Here the columns' Gram matrix G = A^T A and A^T m grow by
-    the new keys' rows only, and each refit factors the s x s G: the unconstrained solution is
-    the NNLS solution whenever it is nonnegative (convex problem, feasible minimizer); otherwise
-    NNLS runs on the equivalent s x s system ||L^T w - L^-1 A^T m|| (G = L L^T)."""
+    Refitting from scratch (QR of the n x s column block, then SciPy's NNLS) at every refit made
+    OMP cost ~2 s per head at t = 400. Here the columns' Gram matrix G = A^T A and A^T m grow by
+    the new keys' rows only, and each refit is an active-set NNLS on G (`gram_nnls`) started
+    from the previous refit's positive set, which usually needs a few small solves."""
 
     def __init__(self, e: Tensor, m: Tensor, t: int):
         self.e, self.m = e, m.double()  # [n, T], [n]
@@ -125,6 +124,7 @@ class _GrowingNNLS:
         self.gram = torch.empty(t, t, dtype=torch.float64)
         self.rhs = torch.empty(t, dtype=torch.float64)
         self.chosen: list[int] = []
+        self.w = torch.zeros(0, dtype=torch.float64)
 
     def add(self, keys: list[int]) -> None:
         s0, s1 = len(self.chosen), len(self.chosen) + len(keys)
@@ -136,23 +136,52 @@ class _GrowingNNLS:
         self.rhs[s0:s1] = new.T @ self.m
         self.chosen += keys
 
-    def weights(self) -> Tensor:
-        s = len(self.chosen)
-        gram, rhs = self.gram[:s, :s], self.rhs[:s]
-        chol, info = torch.linalg.cholesky_ex(gram)
-        if int(info) != 0 or chol.diagonal().min() <= 1e-7 * chol.diagonal().max():
-            return nonnegative_weights(self.cols[:, :s], self.m).double()  # ill-conditioned
-        w = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
-        if bool((w >= 0).all()):
-            return w
-        y = torch.linalg.solve_triangular(chol, rhs[:, None], upper=False)[:, 0]  # L^-1 A^T m
-        w, _ = nnls(chol.T.numpy(), y.numpy(), maxiter=50 * s + 100)
-        return torch.from_numpy(np.asarray(w))
-
     def residual(self) -> Tensor:
-        """m - A w at the refitted w, [n] fp32."""
+        """Refit, then m - A w, [n] fp32."""
         s = len(self.chosen)
-        return (self.m - self.cols[:, :s] @ self.weights()).float()
+        start = torch.cat([self.w, torch.zeros(s - len(self.w), dtype=torch.float64)])
+        self.w = gram_nnls(self.gram[:s, :s], self.rhs[:s], start)
+        return (self.m - self.cols[:, :s] @ self.w).float()
+
+
+def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:
+    """argmin_{w >= 0} ||A w - m|| given only G = A^T A [s, s] and A^T m [s] (float64):
+    Lawson-Hanson's active-set method on the normal equations (Bro & de Jong's "fast NNLS"),
+    with the passive set taken from `start`'s positive entries. A small ridge keeps the solves
+    defined when chosen columns are nearly collinear (exp-score columns often are)."""
+    s = gram.shape[0]
+    ridge = 1e-10 * float(gram.diagonal().mean().clamp_min(1e-300))
+    tol = 1e-10 * float(rhs.abs().max().clamp_min(1e-300))
+    passive = start > 0 if start is not None else torch.zeros(s, dtype=torch.bool)
+    w = torch.zeros(s, dtype=torch.float64)
+    if passive.any():
+        w = _feasible(gram, rhs, passive, w, ridge)
+    for _ in range(3 * s + 10):
+        grad = rhs - gram @ w  # [s] minus the gradient of 1/2 w^T G w - b^T w
+        grad[passive] = -math.inf
+        j = int(grad.argmax())
+        if grad[j] <= tol:
+            return w
+        passive[j] = True
+        w = _feasible(gram, rhs, passive, w, ridge)
+    raise RuntimeError("NNLS did not converge")
+
+
+def _feasible(gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: float) -> Tensor:
+    """Lawson-Hanson's inner loop: the least-squares solution on the passive set, stepping back
+    toward the feasible w (and shrinking the set) while any passive weight would go <= 0."""
+    while True:
+        idx = passive.nonzero()[:, 0]
+        sub = gram[idx][:, idx] + ridge * torch.eye(len(idx), dtype=torch.float64)
+        z = torch.zeros_like(w)
+        z[idx] = torch.linalg.solve(sub, rhs[idx])
+        bad = passive & (z <= 0)
+        if not bad.any():
+            return z
+        alpha = (w[bad] / (w[bad] - z[bad])).min()
+        w = w + alpha * (z - w)
+        passive &= w > 1e-15 * float(w.abs().max().clamp_min(1e-300))
+        w[~passive] = 0.0
 
 
 # ---- beta and values -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from engine.compaction import (
     HeadInputs,
     compact_head,
     fit,
+    gram_nnls,
     keep,
     mass_error,
     relative_output_error,
@@ -47,6 +48,33 @@ def test_beta_is_what_matches_the_mass():
     without = keep(h, r.index)  # the same keys, no bias, original values
     assert mass_error(h, r) < 0.5 * mass_error(h, without)
     assert relative_output_error(h, r) < relative_output_error(h, without)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_gram_nnls_matches_scipy(warm):
+    """OMP's refits solve NNLS from the Gram matrix, warm-started: same optimum as SciPy's."""
+    from scipy.optimize import nnls
+
+    gen = torch.Generator().manual_seed(1)
+    for cols in (3, 30, 90):
+        # Exp-score-like columns: positive and strongly correlated, so some weights hit 0.
+        a = torch.rand(200, cols, generator=gen, dtype=torch.float64) ** 2
+        a = a @ (
+            torch.eye(cols, dtype=torch.float64)
+            + 0.3 * torch.rand(cols, cols, generator=gen, dtype=torch.float64)
+        )
+        m = a @ torch.randn(cols, generator=gen, dtype=torch.float64)  # some w < 0
+        ref, _ = nnls(a.numpy(), m.numpy(), maxiter=100 * cols)
+        start = None
+        if warm:  # a stale positive set, as the previous refit leaves it
+            start = torch.from_numpy(ref).clone()
+            start[: cols // 2] = 0
+            start[cols // 2 :] += 0.1
+        w = gram_nnls(a.T @ a, a.T @ m, start)
+        assert (w >= 0).all()
+        best = float(torch.linalg.norm(a @ torch.from_numpy(ref) - m))
+        assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
+        assert (ref == 0).sum() > 0  # the constraint was active: not a plain least squares
 
 
 def test_omp_beats_highest_attention_on_mass():
