@@ -292,6 +292,9 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in the model dtype."""
+        fused = kernels.head_logits(self, hidden)
+        if fused is not None:
+            return fused
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return kernels.linear(hidden, self.embed_tokens.weight)

@@ -47,6 +47,25 @@ def test_linear(rows, n, k):
     assert _rel(fast, exact) <= 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40), (3 * 16 * 3 + 5, 128)])
+def test_packed_linear_matches_row_kernel(rows, n, k):
+    """The decode stack's packed weights (tiles of 16 outputs, k in pairs; N not a multiple of
+    16 or of the tile group) give the same products as the row-major kernel."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16)
+    packed = kernels._kernel.pack_bf16(w)
+    assert packed.shape == ((n + 15) // 16, k // 2, 16)
+    got = kernels._kernel.linear_packed_bf16(x, packed, n, b)
+    exact = x.float() @ w.float().T + b.float()
+    assert _rel(got, exact) <= 1e-2
+    assert _rel(got, kernels._kernel.linear_bf16(x, w, b)) <= 1e-2
+    unbiased = kernels._kernel.linear_packed_bf16(x, packed, n, None)
+    assert _rel(unbiased, x.float() @ w.float().T) <= 1e-2
+
+
 def test_norms_and_activation():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 576, generator=gen).to(BF16)

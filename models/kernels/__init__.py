@@ -240,9 +240,22 @@ def decode_stack(model: Any) -> Any | None:
         cfg.head_dim,
         cfg.rms_norm_eps,
         cfg.head_dim**-0.5,
+        os.environ.get("CDLM_SERVE_PACKED", "1") != "0",
+        model.lm_head.weight if model.lm_head is not None else weight,
     )
     model._decode_stack = (key, stack)
     return stack
+
+
+def head_logits(model: Any, hidden: Tensor) -> Tensor | None:
+    """hidden [B, hidden] -> logits [B, vocab] through the decode stack's packed output head,
+    or None where it does not apply (no stack built for this model, too many rows, GPU)."""
+    cached = getattr(model, "_decode_stack", None)
+    if cached is None or hidden.dim() != 2 or not _fast(hidden, hidden.shape[0]):
+        return None
+    if cached[0] != tuple(p.data_ptr() for p in model.parameters()):
+        return None  # weights replaced since the stack was built
+    return cached[1].logits(hidden)
 
 
 def argmax(logits: Tensor) -> Tensor:

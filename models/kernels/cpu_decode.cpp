@@ -353,6 +353,123 @@ torch::Tensor linear_split(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
+// ---- Packed small-M linear ---------------------------------------------------------------
+//
+// linear_bf16 above reads W's rows in their natural [N, K] layout, so every output needs a
+// horizontal reduction of its accumulator at the end, and each weight load feeds M dot
+// products against M activation loads. Packing W once as [N/16][K/2][16][2] (pairs of
+// consecutive k for 16 outputs in one 64-byte line) turns the step into: load one weight line,
+// broadcast each row's (x[k], x[k+1]) pair, one dpbf16 per row into 16 outputs at once. No
+// reductions, no activation vector loads, and each 16-output tile is one contiguous stream.
+// Used by DecodeStack (which packs its layers once); the rounding is the same (fp32 sums,
+// bias added in fp32, rounded once), only the summation order differs.
+namespace {
+
+constexpr int64_t kPackedPrefetch = 8;  // cache lines ahead within a tile's stream
+
+template <int M, int R>
+inline void packed_block(const uint32_t* p, int64_t K2, const uint32_t* x, const uint16_t* bias,
+                         at::BFloat16* y, int64_t N, int64_t tile) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint32_t* base = p + tile * K2 * 16;  // R consecutive tiles, K2 * 16 words apart
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) {
+      const uint32_t* line = base + (r * K2 + kp) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(line + kPackedPrefetch * 16), _MM_HINT_T0);
+      wv[r] = (__m512bh)_mm512_loadu_si512(line);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x[m * K2 + kp]));
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (tile + r) * 16;
+    const __mmask16 mask = tail_mask(N - n0);
+    const __m512 b = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      store_bf16_masked(y + m * N + n0, _mm512_add_ps(acc[m][r], b), mask);
+  }
+}
+
+template <int M>
+void packed_run(const uint32_t* p, int64_t K2, const uint32_t* x, const uint16_t* bias,
+                at::BFloat16* y, int64_t N) {
+  // M * R accumulators + R weight lines + 1 broadcast within the 32 vector registers.
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 3);
+  const int64_t tiles = (N + 15) / 16, groups = (tiles + R - 1) / R;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t tile = g * R;
+      if (tile + R <= tiles) {
+        packed_block<M, R>(p, K2, x, bias, y, N, tile);
+      } else {
+        for (int64_t t = tile; t < tiles; ++t) packed_block<M, 1>(p, K2, x, bias, y, N, t);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// W [N, K] bf16 -> [ceil(N/16), K/2, 16] int32: word (t, kp, c) holds W[16t + c, 2kp] in its
+// low half and W[16t + c, 2kp + 1] in its high half (zeros past N).
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "contiguous bf16 [N, K] weight");
+  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, tiles = (N + 15) / 16;
+  TORCH_CHECK(K % 2 == 0, "K must be even");
+  auto out = torch::zeros({tiles, K2, 16}, w.options().dtype(torch::kInt32));
+  auto src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t c = 0; c < 16 && t * 16 + c < N; ++c) {
+        const uint16_t* row = src + (t * 16 + c) * K;
+        for (int64_t kp = 0; kp < K2; ++kp)
+          dst[(t * K2 + kp) * 16 + c] = uint32_t(row[2 * kp]) | (uint32_t(row[2 * kp + 1]) << 16);
+      }
+  });
+  return out;
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) with W given as pack_bf16(W); 1 <= M <= 8.
+torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t N,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "contiguous bf16 [M, K] input");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kInt32 &&
+                  packed.size(0) == (N + 15) / 16 && packed.size(1) * 2 == x.size(1),
+              "packed weight does not match x or N");
+  const int64_t M = x.size(0), K2 = packed.size(1);
+  TORCH_CHECK(M >= 1 && M <= 8, "1 <= M <= 8");
+  const uint16_t* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N &&
+                    bias->is_contiguous(),
+                "bias must be a contiguous bf16 [N] tensor");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  auto y = torch::empty({M, N}, x.options());
+  auto p = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  auto xv = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  auto out = y.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: packed_run<1>(p, K2, xv, b, out, N); break;
+    case 2: packed_run<2>(p, K2, xv, b, out, N); break;
+    case 3: packed_run<3>(p, K2, xv, b, out, N); break;
+    case 4: packed_run<4>(p, K2, xv, b, out, N); break;
+    case 5: packed_run<5>(p, K2, xv, b, out, N); break;
+    case 6: packed_run<6>(p, K2, xv, b, out, N); break;
+    case 7: packed_run<7>(p, K2, xv, b, out, N); break;
+    default: packed_run<8>(p, K2, xv, b, out, N); break;
+  }
+  return y;
+}
+
 // ---- The whole decode step in one call ---------------------------------------------------
 //
 // Runs every layer for B rows of one new token each (B <= 8), against the rows' KV caches,
@@ -363,6 +480,7 @@ namespace {
 struct LayerWeights {
   torch::Tensor attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up_w,
       gate_up_b, down_w, down_b;
+  torch::Tensor qkv_p, o_p, gate_up_p, down_p;  // pack_bf16 of the matrices (when packed)
 };
 
 torch::Tensor opt(const c10::optional<torch::Tensor>& t) {
@@ -379,13 +497,21 @@ class DecodeStack {
  public:
   DecodeStack(std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
               torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale)
-      : final_norm_(final_norm), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
+              double eps, double scale, bool packed, torch::Tensor head)
+      : final_norm_(final_norm), head_(head), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
         scale_(scale) {
+    if (packed) head_p_ = pack_bf16(head);
     for (auto& l : layers) {
       TORCH_CHECK(l.size() == 12, "12 tensors per layer");
-      layers_.push_back({*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
-                         *l[8], opt(l[9]), *l[10], opt(l[11])});
+      LayerWeights w{*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
+                     *l[8], opt(l[9]), *l[10], opt(l[11])};
+      if (packed) {
+        w.qkv_p = pack_bf16(w.qkv_w);
+        w.o_p = pack_bf16(w.o_w);
+        w.gate_up_p = pack_bf16(w.gate_up_w);
+        w.down_p = pack_bf16(w.down_w);
+      }
+      layers_.push_back(w);
     }
   }
 
@@ -411,7 +537,7 @@ class DecodeStack {
         h = hr[0];
         residual = hr[1];
       }
-      torch::Tensor qkv = linear_bf16(h, L.qkv_w, maybe(L.qkv_b));  // [B, W]
+      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b);  // [B, W]
       if (L.q_norm.defined()) qk_norm(qkv, L.q_norm, L.k_norm);
       rope_inplace_bf16(qkv, cos, sin, H_ + Hkv_, D_);
       write_cache(qkv, keys[i], values[i], lens);
@@ -419,16 +545,25 @@ class DecodeStack {
       c10::optional<torch::Tensor> bias =
           biases.has_value() ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt;
       torch::Tensor attn = decode_attention_bf16(q, keys[i], values[i], attend, scale_, bias);
-      torch::Tensor o = linear_bf16(attn, L.o_w, maybe(L.o_b));
+      torch::Tensor o = lin(attn, L.o_w, L.o_p, L.o_b);
       auto hr = add_rms_norm_bf16(o, residual, L.mlp_norm, eps_);
       residual = hr[1];
-      torch::Tensor gu = linear_bf16(hr[0], L.gate_up_w, maybe(L.gate_up_b));
-      x = linear_bf16(silu_mul_bf16(gu), L.down_w, maybe(L.down_b));
+      torch::Tensor gu = lin(hr[0], L.gate_up_w, L.gate_up_p, L.gate_up_b);
+      x = lin(silu_mul_bf16(gu), L.down_w, L.down_p, L.down_b);
     }
     return add_rms_norm_bf16(x, residual, final_norm_, eps_)[0];
   }
 
+  // Logits [B, vocab] of final hidden states [B, hidden] (B <= 8) through the output head.
+  torch::Tensor logits(torch::Tensor h) { return lin(h.contiguous(), head_, head_p_, {}); }
+
  private:
+  static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w,
+                           const torch::Tensor& packed, const torch::Tensor& b) {
+    return packed.defined() ? linear_packed_bf16(x, packed, w.size(0), maybe(b))
+                            : linear_bf16(x, w, maybe(b));
+  }
+
   // Qwen3: RMSNorm over each q and k head before RoPE (HF rounding order), in place.
   void qk_norm(torch::Tensor& qkv, const torch::Tensor& qw, const torch::Tensor& kw) {
     const int64_t B = qkv.size(0), W = qkv.size(1);
@@ -464,7 +599,7 @@ class DecodeStack {
   }
 
   std::vector<LayerWeights> layers_;
-  torch::Tensor final_norm_;
+  torch::Tensor final_norm_, head_, head_p_;
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
 };
@@ -475,6 +610,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // while a decode step computes.
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)", nogil);
+  m.def("pack_bf16", &pack_bf16, "pack W [N, K] for linear_packed_bf16", nogil);
+  m.def("linear_packed_bf16", &linear_packed_bf16, "small-M x @ W^T with a packed W", nogil);
   m.def("linear_split", &linear_split, "x @ W^T (+ bias), N split across threads", nogil);
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm", nogil);
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm", nogil);
@@ -484,6 +621,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
-                          int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &DecodeStack::forward, nogil);
+                          int64_t, int64_t, int64_t, double, double, bool, torch::Tensor>())
+      .def("forward", &DecodeStack::forward, nogil)
+      .def("logits", &DecodeStack::logits, nogil);
 }
