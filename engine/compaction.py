@@ -154,27 +154,39 @@ def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:
     tol = 1e-10 * float(rhs.abs().max().clamp_min(1e-300))
     passive = start > 0 if start is not None else torch.zeros(s, dtype=torch.bool)
     w = torch.zeros(s, dtype=torch.float64)
-    if passive.any():
-        w = _feasible(gram, rhs, passive, w, ridge)
+    while passive.any():  # warm start: the largest subset whose least-squares fit is positive
+        z = _solve_on(gram, rhs, passive, ridge)
+        if not (passive & (z <= 0)).any():
+            w = z
+            break
+        passive &= z > 0
     for _ in range(3 * s + 10):
         grad = rhs - gram @ w  # [s] minus the gradient of 1/2 w^T G w - b^T w
         grad[passive] = -math.inf
         j = int(grad.argmax())
         if grad[j] <= tol:
-            return w
+            break
         passive[j] = True
         w = _feasible(gram, rhs, passive, w, ridge)
-    raise RuntimeError("NNLS did not converge")
+    # (Past the cap, which degenerate ties could reach, w is still feasible and no worse than
+    # any earlier iterate: good enough to pick OMP's next keys; the final fit is SciPy's.)
+    return w
+
+
+def _solve_on(gram: Tensor, rhs: Tensor, passive: Tensor, ridge: float) -> Tensor:
+    """The least-squares weights restricted to `passive` (zeros elsewhere)."""
+    idx = passive.nonzero()[:, 0]
+    sub = gram[idx][:, idx] + ridge * torch.eye(len(idx), dtype=torch.float64)
+    z = torch.zeros(gram.shape[0], dtype=torch.float64)
+    z[idx] = torch.linalg.solve(sub, rhs[idx])
+    return z
 
 
 def _feasible(gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: float) -> Tensor:
     """Lawson-Hanson's inner loop: the least-squares solution on the passive set, stepping back
     toward the feasible w (and shrinking the set) while any passive weight would go <= 0."""
     while True:
-        idx = passive.nonzero()[:, 0]
-        sub = gram[idx][:, idx] + ridge * torch.eye(len(idx), dtype=torch.float64)
-        z = torch.zeros_like(w)
-        z[idx] = torch.linalg.solve(sub, rhs[idx])
+        z = _solve_on(gram, rhs, passive, ridge)
         bad = passive & (z <= 0)
         if not bad.any():
             return z
