@@ -89,6 +89,9 @@ class AREngine:
         self.running: list[ARSequence] = []
         self.cache: KVCache | None = None
         self.on_finish: Callable[[ARSequence], None] | None = None
+        # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
+        # SmolLM2) rather than inside the first request; None where it does not apply.
+        kernels.decode_stack(model)
 
     # ---- requests --------------------------------------------------------------------------
     def new_sequence(
