@@ -100,6 +100,35 @@ def test_compaction_and_restart(tiny_llama_dir, tmp_path):
         )
 
 
+def test_openai_client_creates_compacts_and_continues_a_session(base):
+    """What a user of the official SDK does: custom routes through client.post/get, the
+    completion with extra_body={"session_id": ...}."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    client.post("/sessions", body={"model": "tiny", "id": "sdk", "prompt": CONTEXT}, cast_to=object)
+    report = client.post(
+        "/sessions/sdk/compact",
+        body={"ratio": 4, "method": "am-highest-fast", "keep_recent": 8},
+        cast_to=object,
+    )
+    assert report["tokens_after"] < report["tokens_before"] == len(CONTEXT.encode())
+    out = client.completions.create(
+        model="tiny",
+        prompt="Q:",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"session_id": "sdk"},
+    )
+    info = client.get("/sessions/sdk", cast_to=object)
+    # The prompt and the answer were appended; the cache grew by as much on top of its
+    # compacted size (the last answer token waits, uncached, for the next request).
+    assert info["tokens"] == report["tokens_before"] + len(b"Q:") + out.usage.completion_tokens
+    grown = info["logical_length"] - report["logical_length"]
+    assert grown >= len(b"Q:") and info["physical_tokens"] == report["tokens_after"] + grown
+    assert len(info["compactions"]) == 1
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
