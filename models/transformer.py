@@ -217,7 +217,8 @@ class Transformer(nn.Module):
             cache.ensure_capacity(max(cache.lengths) + q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
-        fused_ok = not getattr(self, "_capturing", False)
+        # The fused step handles up to MAX_KERNEL_ROWS rows (its register-blocked matmuls).
+        fused_ok = not getattr(self, "_capturing", False) and batch <= kernels.MAX_KERNEL_ROWS
         if cache is not None and q_len == 1 and valid is None and commit is not False and fused_ok:
             stack = kernels.decode_stack(self)
             if stack is not None:

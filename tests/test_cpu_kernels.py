@@ -180,6 +180,23 @@ def test_fused_decode_honours_compacted_segments(model):
     assert _rel(fast, ref) <= 3e-2
 
 
+def test_decode_of_more_rows_than_the_fused_step_takes(model):
+    """`--max-batch` above the kernels' 8 rows: the step falls back to the PyTorch path for
+    those rows instead of failing the kernels' row check."""
+    rows = kernels.MAX_KERNEL_ROWS + 2
+    ids = torch.randint(0, tiny_models.VOCAB, (rows, 9), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        cache = model.new_cache(rows, 32)
+        with torch.inference_mode():
+            model(ids[:, :8], cache=cache)
+            return model.logits(model(ids[:, 8:], cache=cache))[:, -1].float()
+
+    fast, ref = both(run)
+    assert fast.shape == (rows, tiny_models.VOCAB)
+    assert _rel(fast, ref) <= 3e-2
+
+
 @pytest.mark.parametrize("rows", [2, 32, 100])
 def test_fp32_split_linear_is_exact(rows):
     gen = torch.Generator().manual_seed(rows)

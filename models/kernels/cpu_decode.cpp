@@ -491,6 +491,11 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
   return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+// The packed copy where the packing applies (K even), else none: `lin` then uses the row kernel.
+torch::Tensor maybe_pack(const torch::Tensor& w) {
+  return w.size(1) % 2 == 0 ? pack_bf16(w) : torch::Tensor();
+}
+
 }  // namespace
 
 class DecodeStack {
@@ -500,16 +505,16 @@ class DecodeStack {
               double eps, double scale, bool packed, torch::Tensor head)
       : final_norm_(final_norm), head_(head), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
         scale_(scale) {
-    if (packed) head_p_ = pack_bf16(head);
+    if (packed) head_p_ = maybe_pack(head);
     for (auto& l : layers) {
       TORCH_CHECK(l.size() == 12, "12 tensors per layer");
       LayerWeights w{*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
                      *l[8], opt(l[9]), *l[10], opt(l[11])};
       if (packed) {
-        w.qkv_p = pack_bf16(w.qkv_w);
-        w.o_p = pack_bf16(w.o_w);
-        w.gate_up_p = pack_bf16(w.gate_up_w);
-        w.down_p = pack_bf16(w.down_w);
+        w.qkv_p = maybe_pack(w.qkv_w);
+        w.o_p = maybe_pack(w.o_w);
+        w.gate_up_p = maybe_pack(w.gate_up_w);
+        w.down_p = maybe_pack(w.down_w);
       }
       layers_.push_back(w);
     }
