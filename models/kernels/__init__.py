@@ -207,10 +207,9 @@ def decode_stack(model: Any) -> Any | None:
     weight = model.embed_tokens.weight
     if not (_fast(weight) and cfg.head_dim % 32 == 0) or weight.requires_grad:
         return None
-    key = tuple(p.data_ptr() for p in model.parameters())
-    cached = getattr(model, "_decode_stack", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    cached = _built_stack(model)
+    if cached is not None:
+        return cached
     layers = []
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
@@ -243,19 +242,28 @@ def decode_stack(model: Any) -> Any | None:
         os.environ.get("CDLM_SERVE_PACKED", "1") != "0",
         model.lm_head.weight if model.lm_head is not None else weight,
     )
-    model._decode_stack = (key, stack)
+    model._decode_stack = (_weights_key(model), stack)
     return stack
+
+
+def _weights_key(model: Any) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
+def _built_stack(model: Any) -> Any | None:
+    """The model's decode stack if one was built for its current weights (None if never built,
+    or if the weights were replaced since)."""
+    cached = getattr(model, "_decode_stack", None)
+    return cached[1] if cached is not None and cached[0] == _weights_key(model) else None
 
 
 def head_logits(model: Any, hidden: Tensor) -> Tensor | None:
     """hidden [B, hidden] -> logits [B, vocab] through the decode stack's packed output head,
     or None where it does not apply (no stack built for this model, too many rows, GPU)."""
-    cached = getattr(model, "_decode_stack", None)
-    if cached is None or hidden.dim() != 2 or not _fast(hidden, hidden.shape[0]):
+    if hidden.dim() != 2 or not _fast(hidden, hidden.shape[0]):
         return None
-    if cached[0] != tuple(p.data_ptr() for p in model.parameters()):
-        return None  # weights replaced since the stack was built
-    return cached[1].logits(hidden)
+    stack = _built_stack(model)
+    return stack.logits(hidden) if stack is not None else None
 
 
 def argmax(logits: Tensor) -> Tensor:

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -80,6 +81,30 @@ void run(const uint16_t* w, const uint16_t* x, const uint16_t* bias, at::BFloat1
   });
 }
 
+// Calls f(std::integral_constant<int, M>) for a runtime row count 1 <= M <= 8, so the
+// register-blocked kernels get M as a template argument.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// The raw pointer of an optional bf16 [N] bias (nullptr without one), checked.
+const uint16_t* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
+              "bias must be a contiguous bf16 [N] tensor");
+  return reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+}
+
 }  // namespace
 
 // x: [M, K] bf16 contiguous, 1 <= M <= 8; weight: [N, K] bf16 contiguous; bias: [N] or empty.
@@ -93,24 +118,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   auto y = torch::empty({M, N}, x.options());
   auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N &&
-                    bias->is_contiguous(),
-                "bias must be a contiguous bf16 [N] tensor");
-    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-  }
+  const uint16_t* b = bias_ptr(bias, N);
   auto out = y.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: run<1>(w, xv, b, out, N, K); break;
-    case 2: run<2>(w, xv, b, out, N, K); break;
-    case 3: run<3>(w, xv, b, out, N, K); break;
-    case 4: run<4>(w, xv, b, out, N, K); break;
-    case 5: run<5>(w, xv, b, out, N, K); break;
-    case 6: run<6>(w, xv, b, out, N, K); break;
-    case 7: run<7>(w, xv, b, out, N, K); break;
-    default: run<8>(w, xv, b, out, N, K); break;
-  }
+  with_rows(M, [&](auto m) { run<decltype(m)::value>(w, xv, b, out, N, K); });
   return y;
 }
 
@@ -446,27 +456,12 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
               "packed weight does not match x or N");
   const int64_t M = x.size(0), K2 = packed.size(1);
   TORCH_CHECK(M >= 1 && M <= 8, "1 <= M <= 8");
-  const uint16_t* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N &&
-                    bias->is_contiguous(),
-                "bias must be a contiguous bf16 [N] tensor");
-    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-  }
+  const uint16_t* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
   auto p = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   auto xv = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   auto out = y.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: packed_run<1>(p, K2, xv, b, out, N); break;
-    case 2: packed_run<2>(p, K2, xv, b, out, N); break;
-    case 3: packed_run<3>(p, K2, xv, b, out, N); break;
-    case 4: packed_run<4>(p, K2, xv, b, out, N); break;
-    case 5: packed_run<5>(p, K2, xv, b, out, N); break;
-    case 6: packed_run<6>(p, K2, xv, b, out, N); break;
-    case 7: packed_run<7>(p, K2, xv, b, out, N); break;
-    default: packed_run<8>(p, K2, xv, b, out, N); break;
-  }
+  with_rows(M, [&](auto m) { packed_run<decltype(m)::value>(p, K2, xv, b, out, N); });
   return y;
 }
 
