@@ -69,6 +69,11 @@ class ARSequence:
     token_times: list[float] = field(default_factory=list)
 
 
+# Up to this many prompt tokens per step are prefilled inside the fused decode step (see
+# AREngine._fused); longer prompts take the PyTorch path.
+FUSED_PREFILL_TOKENS = 256
+
+
 def _session_slots(seq: ARSequence) -> int:
     """Committed slots of the session a sequence continues from (0 without one)."""
     cache = None if seq.session is None else seq.session.cache
@@ -89,6 +94,8 @@ class AREngine:
         self.running: list[ARSequence] = []
         self.cache: KVCache | None = None
         self.on_finish: Callable[[ARSequence], None] | None = None
+        # New prompts up to this many tokens (together) join the fused decode step.
+        self.fused_prefill_tokens = FUSED_PREFILL_TOKENS
         # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
         # SmolLM2) rather than inside the first request; None where it does not apply.
         kernels.decode_stack(model)
@@ -163,9 +170,12 @@ class AREngine:
             seq.finish_reason = "abort"
             outputs.append(StepOutput(seq.id, [], "", "abort"))
             self._retire(seq)
-        if self.running:
-            outputs += self._decode()
-        outputs += self._admit()
+        new = self._take_waiting(outputs)
+        if not self._fused(new, outputs):
+            if self.running:
+                outputs += self._decode()
+            if new:
+                outputs += self._prefill(new)
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._retire(seq)
         return outputs
@@ -176,9 +186,10 @@ class AREngine:
         self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
         return self.cache
 
-    def _admit(self) -> list[StepOutput]:
-        """Prefill every waiting sequence that fits, all in one padded forward."""
-        outputs, new = [], []
+    def _take_waiting(self, outputs: list[StepOutput]) -> list[ARSequence]:
+        """Give every waiting sequence that fits a cache row (fresh, or loaded from its
+        session); aborted ones leave with an output instead."""
+        new: list[ARSequence] = []
         while self.waiting and len(self.running) + len(new) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.aborted():
@@ -188,8 +199,7 @@ class AREngine:
             seq.row = len(self.running) + len(new)
             new.append(seq)
         if not new:
-            return outputs
-        first = new[0].row
+            return new
         width = max(len(s.prompt) for s in new)
         history = max(_session_slots(s) for s in new)
         cache = self._cache_for(history + width + 1)
@@ -198,6 +208,33 @@ class AREngine:
                 cache.load_row(seq.row, seq.session.cache)
             else:
                 cache.reset(seq.row)
+        return new
+
+    def _fused(self, new: list[ARSequence], outputs: list[StepOutput]) -> bool:
+        """Decode every running row and prefill the new sequences in one fused call (the
+        weights stream from memory once for both; a prefill no longer stalls the batch for a
+        forward of its own). False, with nothing changed, where it does not apply: no fused
+        kernels here, or prompts longer than `fused_prefill_tokens` together (the PyTorch
+        path's batched attention is the better tool for those)."""
+        if not (self.running or new) or sum(len(s.prompt) for s in new) > self.fused_prefill_tokens:
+            return False
+        assert self.cache is not None  # running rows were prefilled into it, new rows taken
+        chunks = [(s.row, [s.pending]) for s in self.running] + [(s.row, s.prompt) for s in new]
+        hidden = self.model.fused_step(chunks, self.cache)  # [len(chunks), hidden]
+        if hidden is None:
+            return False
+        logits = self.model.logits(hidden)
+        batch = self.running + new
+        self.running.extend(new)
+        outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(batch)]
+        return True
+
+    def _prefill(self, new: list[ARSequence]) -> list[StepOutput]:
+        """Prefill the new sequences in one padded forward (PyTorch path)."""
+        assert self.cache is not None
+        cache = self.cache
+        first = new[0].row
+        width = max(len(s.prompt) for s in new)
         device = self.model.device
         ids = torch.zeros(len(new), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(new), width, dtype=torch.bool, device=device)
@@ -211,8 +248,7 @@ class AREngine:
         last = torch.tensor([len(s.prompt) - 1 for s in new], device=device)
         logits = self.model.logits(hidden[torch.arange(len(new), device=device), last])
         self.running.extend(new)
-        outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(new)]
-        return outputs
+        return [self._accept(seq, logits[i]) for i, seq in enumerate(new)]
 
     def _decode(self) -> list[StepOutput]:
         n = len(self.running)

@@ -217,8 +217,7 @@ class Transformer(nn.Module):
             cache.ensure_capacity(max(cache.lengths) + q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
-        # The fused step handles up to MAX_KERNEL_ROWS rows (its register-blocked matmuls).
-        fused_ok = not getattr(self, "_capturing", False) and batch <= kernels.MAX_KERNEL_ROWS
+        fused_ok = not getattr(self, "_capturing", False)
         if cache is not None and q_len == 1 and valid is None and commit is not False and fused_ok:
             stack = kernels.decode_stack(self)
             if stack is not None:
@@ -245,9 +244,58 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids.view(batch))  # [B, hidden]
         cos2 = cos.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
         sin2 = sin.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
-        hidden = stack.forward(x, cache.keys, cache.values, cache.biases, cache.lengths, cos2, sin2)
+        rows = list(range(batch))
+        hidden = stack.forward(
+            x, cache.keys, cache.values, cache.biases, rows, cache.lengths, cos2, sin2
+        )
         cache.commit(self._commit_counts(commit, 1, batch, None))
         return hidden.view(batch, 1, -1)
+
+    def fused_step(
+        self, chunks: Sequence[tuple[int, Sequence[int]]], cache: KVCache
+    ) -> Tensor | None:
+        """Append new tokens to several rows of `cache` in one fused C++ call and commit them.
+
+        chunks: (row, token ids) pairs, rows distinct; one id is a decode step, several are a
+        prompt (causal within itself, after the row's committed slots), and decode rows and
+        prompts share the call, so the weights stream from memory once for all of them.
+        Returns the final hidden state of each chunk's last token [len(chunks), hidden], or
+        None where the fused kernels do not apply (GPU, fp32, ...): use forward() then.
+        """
+        stack = kernels.decode_stack(self)
+        if stack is None or getattr(self, "_capturing", False):
+            return None
+        rows: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        ids: list[int] = []
+        last: list[int] = []  # index of each chunk's last token
+        for row, tokens in chunks:
+            n = len(tokens)
+            rows += [row] * n
+            slots += range(cache.lengths[row], cache.lengths[row] + n)
+            positions += range(cache.logical[row], cache.logical[row] + n)
+            ids += tokens
+            last.append(len(ids) - 1)
+        cache.ensure_capacity(max(slots) + 1)
+        device, d = self.device, self.config.head_dim
+        cos, sin = self.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
+        x = self.embed_tokens(torch.tensor(ids, device=device))  # [T, hidden]
+        hidden = stack.forward(
+            x,
+            cache.keys,
+            cache.values,
+            cache.biases,
+            rows,
+            slots,
+            cos.reshape(-1, d).contiguous(),  # [T, D]
+            sin.reshape(-1, d).contiguous(),
+        )
+        counts = [0] * cache.batch
+        for row, tokens in chunks:
+            counts[row] = len(tokens)
+        cache.commit(counts)
+        return hidden[last]
 
     def _rope_for(
         self,

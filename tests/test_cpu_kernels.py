@@ -47,11 +47,22 @@ def test_linear(rows, n, k):
     assert _rel(fast, exact) <= 1e-2
 
 
+@pytest.fixture(params=[False, True], ids=["avx512", "amx"])
+def amx(request):
+    """Each packed-linear test on AVX512 and, where this CPU and OS allow it, on AMX tiles."""
+    active = kernels.use_amx(request.param)
+    if request.param and not active:
+        pytest.skip("no AMX-BF16 here (CPU, kernel or compiler)")
+    yield active
+    kernels.use_amx(True)  # the default
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40), (3 * 16 * 3 + 5, 128)])
-def test_packed_linear_matches_row_kernel(rows, n, k):
+def test_packed_linear_matches_row_kernel(rows, n, k, amx):
     """The decode stack's packed weights (tiles of 16 outputs, k in pairs; N not a multiple of
-    16 or of the tile group) give the same products as the row-major kernel."""
+    16 or of the tile group) give the same products as the row-major kernel. On AMX, k = 40 is
+    not a whole number of 32-wide tiles and takes the AVX512 path."""
     gen = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, k, generator=gen).to(BF16)
     w = torch.randn(n, k, generator=gen).to(BF16)
@@ -64,6 +75,19 @@ def test_packed_linear_matches_row_kernel(rows, n, k):
     assert _rel(got, kernels._kernel.linear_bf16(x, w, b)) <= 1e-2
     unbiased = kernels._kernel.linear_packed_bf16(x, packed, n, None)
     assert _rel(unbiased, x.float() @ w.float().T) <= 1e-2
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 40])
+def test_packed_linear_takes_any_number_of_rows(rows, amx):
+    """A prompt's tokens go through the packed weights too: AMX takes 16 rows per tile (17 and
+    40 are padded to whole tiles), AVX512 8 per pass."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    w = torch.randn(3 * 16 * 2 + 7, 576, generator=gen).to(BF16)
+    b = torch.randn(w.shape[0], generator=gen).to(BF16)
+    got = kernels._kernel.linear_packed_bf16(x, kernels._kernel.pack_bf16(w), w.shape[0], b)
+    assert got.shape == (rows, w.shape[0])
+    assert _rel(got, x.float() @ w.float().T + b.float()) <= 1e-2
 
 
 def test_norms_and_activation():
@@ -180,9 +204,9 @@ def test_fused_decode_honours_compacted_segments(model):
     assert _rel(fast, ref) <= 3e-2
 
 
-def test_decode_of_more_rows_than_the_fused_step_takes(model):
-    """`--max-batch` above the kernels' 8 rows: the step falls back to the PyTorch path for
-    those rows instead of failing the kernels' row check."""
+def test_decode_of_more_rows_than_one_kernel_pass(model):
+    """`--max-batch` above 8: the fused step takes any number of rows (8 per AVX512 pass, 16
+    per AMX tile), with the same results as the PyTorch path."""
     rows = kernels.MAX_KERNEL_ROWS + 2
     ids = torch.randint(0, tiny_models.VOCAB, (rows, 9), generator=torch.Generator().manual_seed(6))
 
@@ -194,7 +218,61 @@ def test_decode_of_more_rows_than_the_fused_step_takes(model):
 
     fast, ref = both(run)
     assert fast.shape == (rows, tiny_models.VOCAB)
+    assert not torch.equal(fast, ref)  # the fused path really ran
     assert _rel(fast, ref) <= 3e-2
+
+
+def test_fused_step_mixes_decode_rows_and_prompts(model, amx):
+    """One fused call decodes two rows (one continuing a compacted, biased segment) and
+    prefills a 7-token prompt into a third; then all three decode once more. Every logit and
+    the cache bookkeeping match running each row alone through the PyTorch path."""
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, tiny_models.VOCAB, (3, 12), generator=gen).tolist()
+    beta = [torch.randn(1, 4, generator=gen) for _ in range(model.config.num_layers)]
+
+    def prepared():
+        cache = model.new_cache(3, 16)  # too small: the step must grow it
+        with kernels.cpu_kernels(False), torch.inference_mode():
+            for row in (0, 1):
+                view = cache.rows(row, row + 1)
+                model(torch.tensor([ids[row][:8]]), cache=view)
+                cache.absorb(view, row)
+            segs = [cache.read(1, layer) for layer in range(model.config.num_layers)]
+            keep = torch.tensor([0, 3, 5, 7])
+            cache.replace_prefix(
+                1,
+                8,
+                [k[:, keep].clone() for k, _, _ in segs],
+                [v[:, keep].clone() for _, v, _ in segs],
+                beta,
+            )
+        return cache
+
+    def alone(cache, row, tokens):
+        view = cache.rows(row, row + 1)
+        hidden = model(torch.tensor([tokens]), cache=view)[:, -1]
+        cache.absorb(view, row)
+        return hidden
+
+    steps = [
+        [(0, [ids[0][8]]), (1, [ids[1][8]]), (2, ids[2][:7])],
+        [(0, [ids[0][9]]), (1, [ids[1][9]]), (2, [ids[2][7]])],
+    ]
+    with torch.inference_mode():
+        cache = prepared()
+        fused = [model.logits(model.fused_step(chunks, cache)).float() for chunks in steps]
+        fused_lengths = (cache.lengths, cache.logical)
+        cache = prepared()
+        with kernels.cpu_kernels(False):
+            ref = [
+                model.logits(torch.cat([alone(cache, r, t) for r, t in chunks])).float()
+                for chunks in steps
+            ]
+    assert fused_lengths == (cache.lengths, cache.logical) == ([10, 6, 8], [10, 10, 8])
+    for got, want in zip(fused, ref, strict=True):
+        assert got.shape == (3, tiny_models.VOCAB)
+        assert _rel(got, want) <= 3e-2
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("rows", [2, 32, 100])

@@ -46,13 +46,24 @@ def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
-    return load(
-        name="cdlm_cpu_decode",
-        sources=[str(_SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    amx = ["-mamx-tile", "-mamx-bf16"]
+    try:
+        return load(
+            name="cdlm_cpu_decode",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags + amx,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # a compiler without AMX: the same kernels minus the AMX path
+        log.info("building the CPU kernels without AMX: %s", e)
+        return load(
+            name="cdlm_cpu_decode_noamx",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def enable_cpu_kernels() -> bool:
@@ -68,7 +79,15 @@ def enable_cpu_kernels() -> bool:
             except Exception as e:  # no compiler, no ninja, ...: fall back to PyTorch's ops
                 log.warning("CPU bf16 kernel unavailable, using PyTorch matmuls: %s", e)
                 _kernel = False
+            else:
+                use_amx(os.environ.get("CDLM_SERVE_AMX", "1") != "0")
     return bool(_kernel)
+
+
+def use_amx(enabled: bool) -> bool:
+    """Let the packed decode matmuls run on AMX tiles (where the CPU, the OS and the compiler
+    allow it) or keep them on AVX512; returns whether AMX is now in use."""
+    return bool(_kernel) and bool(_kernel.set_amx(enabled))
 
 
 @contextmanager
@@ -259,8 +278,8 @@ def _built_stack(model: Any) -> Any | None:
 
 def head_logits(model: Any, hidden: Tensor) -> Tensor | None:
     """hidden [B, hidden] -> logits [B, vocab] through the decode stack's packed output head,
-    or None where it does not apply (no stack built for this model, too many rows, GPU)."""
-    if hidden.dim() != 2 or not _fast(hidden, hidden.shape[0]):
+    or None where it does not apply (no stack built for this model, GPU, fp32)."""
+    if hidden.dim() != 2 or not _fast(hidden):
         return None
     stack = _built_stack(model)
     return stack.logits(hidden) if stack is not None else None

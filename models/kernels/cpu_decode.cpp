@@ -13,6 +13,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -252,38 +257,42 @@ void rope_inplace_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   }
 }
 
-// One query per row against that row's cached keys. q [B, H, D] (heads contiguous, any row
-// stride); k/v [B, Hkv, S, D] bf16; lens[b] valid slots of row b; optional bias [B, Hkv, S]
-// fp32 added to the scores (Attention Matching's beta). GQA: query head h reads KV head
-// h / (H / Hkv). Returns [B, H * D] bf16. Scores and softmax in fp32.
-torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    std::vector<int64_t> lens, double scale,
-                                    c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, H, D], k/v [B, Hkv, S, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k.size(1), S = k.size(2);
+// Queries against cached keys: query t reads cache row rows[t], slots [0, lens[t]). q [T, H, D]
+// (heads contiguous, any row stride); k/v [B, Hkv, S, D] bf16; optional bias [B, Hkv, S] fp32
+// added to the scores (Attention Matching's beta). GQA: query head h reads KV head
+// h / (H / Hkv). Returns [T, H * D] bf16. Scores and softmax in fp32. Several queries may read
+// one row (a prompt's tokens, each up to its own slot: causal attention within the prompt).
+torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                          double scale, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [T, H, D], k/v [B, Hkv, S, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q heads must be contiguous");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && D % 32 == 0, "contiguous cache, D % 32");
-  TORCH_CHECK((int64_t)lens.size() == B && H % Hkv == 0, "one length per row; H % Hkv == 0");
-  for (auto L : lens) TORCH_CHECK(L >= 1 && L <= S, "lengths within the cache");
+  TORCH_CHECK((int64_t)lens.size() == T && (int64_t)rows.size() == T && H % Hkv == 0,
+              "one row and one length per query; H % Hkv == 0");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < B && lens[t] >= 1 && lens[t] <= S,
+                "rows and lengths within the cache");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->size(2) == S, "bias [B, Hkv, S] fp32");
+                    bias->size(0) == B && bias->size(2) == S, "bias [B, Hkv, S] fp32");
     bp = bias->data_ptr<float>();
   }
-  auto out = torch::empty({B, H * D}, q.options());
+  auto out = torch::empty({T, H * D}, q.options());
   auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   auto vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto op = out.data_ptr<at::BFloat16>();
   const int64_t group = H / Hkv, qstride = q.stride(0);
   const float fscale = float(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H, g = h / group, L = lens[b];
-      const uint16_t* qh = qp + b * qstride + h * D;
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t t = th / H, h = th % H, g = h / group, b = rows[t], L = lens[t];
+      const uint16_t* qh = qp + t * qstride + h * D;
       const uint16_t* kh = kp + (b * Hkv + g) * S * D;
       const uint16_t* vh = vp + (b * Hkv + g) * S * D;
       const float* bh_bias = bp ? bp + (b * Hkv + g) * S : nullptr;
@@ -307,11 +316,20 @@ torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; ++j)
           acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load_bf16(vh + j * D + d), acc);
-        _mm256_storeu_si256((__m256i*)(op + b * H * D + h * D + d), to_bf16(_mm512_mul_ps(acc, inv)));
+        _mm256_storeu_si256((__m256i*)(op + t * H * D + h * D + d), to_bf16(_mm512_mul_ps(acc, inv)));
       }
     }
   });
   return out;
+}
+
+// One query per row: row b attends to its slots [0, lens[b]).
+torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    std::vector<int64_t> lens, double scale,
+                                    c10::optional<torch::Tensor> bias) {
+  std::vector<int64_t> rows(q.size(0));
+  for (size_t b = 0; b < rows.size(); ++b) rows[b] = int64_t(b);
+  return attend_rows(q, k, v, rows, lens, scale, bias);
 }
 
 // Row-wise argmax of [M, V] (first index on ties, like torch.argmax). NaN-free input assumed.
@@ -425,6 +443,132 @@ void packed_run(const uint32_t* p, int64_t K2, const uint32_t* x, const uint16_t
 
 }  // namespace
 
+// ---- The same packed linear on AMX tiles -------------------------------------------------
+//
+// pack_bf16's layout is exactly AMX's VNNI B-tile layout: 16 consecutive k-pairs of one
+// 16-output tile are 16 contiguous 64-byte lines, i.e. one 1 KB tile loaded with stride 64. One
+// TDPBF16PS multiplies it with up to 16 activation rows (an A tile of 32 k) into 16 x 16 fp32
+// sums, so the rows cost no extra instructions per weight byte: AVX512's dpbf16 needs one per
+// row. Used where the CPU has AMX-BF16 and the kernel grants the tile state (Linux 5.16+),
+// K is a multiple of 32 and M <= 16. Built only when the compiler knows AMX (-mamx-*).
+namespace {
+
+bool amx_enabled = false;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kAmxBuilt = true;
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
+}
+
+// Linux hands out the 8 KB tile register state only on request (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); once per process.
+bool request_tile_state() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+constexpr int64_t kAmxPrefetch = 32;  // k-pairs ahead: two 1 KB chunks per tile stream
+
+// tmm0: A = x[:, 32 k] (M rows); tmm1..R: B = R weight tiles' 16 k-pairs; tmm4..4+R: C sums.
+template <int R>
+void amx_group(const uint32_t* p, int64_t K2, const uint16_t* x, int64_t K, int64_t M,
+               const uint16_t* bias, at::BFloat16* y, int64_t N, int64_t tile) {
+  _tile_zero(4);
+  if (R > 1) _tile_zero(5);
+  if (R > 2) _tile_zero(6);
+  const uint32_t* base = p + tile * K2 * 16;
+  for (int64_t kp = 0; kp < K2; kp += 16) {
+    for (int r = 0; r < R; ++r)  // the tiles' next chunk but one (1 KB each) into L1
+      for (int l = 0; l < 16; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(base + (r * K2 + kp + kAmxPrefetch + l) * 16),
+                     _MM_HINT_T0);
+    _tile_loadd(0, x + 2 * kp, K * 2);
+    _tile_loadd(1, base + kp * 16, 64);
+    if (R > 1) _tile_loadd(2, base + (K2 + kp) * 16, 64);
+    if (R > 2) _tile_loadd(3, base + (2 * K2 + kp) * 16, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if (R > 1) _tile_dpbf16ps(5, 0, 2);
+    if (R > 2) _tile_dpbf16ps(6, 0, 3);
+  }
+  alignas(64) float c[R][16][16];  // [tile][row][output]
+  _tile_stored(4, c[0], 64);
+  if (R > 1) _tile_stored(5, c[1], 64);
+  if (R > 2) _tile_stored(6, c[2], 64);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (tile + r) * 16;
+    const __mmask16 mask = tail_mask(N - n0);
+    const __m512 b = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m)
+      store_bf16_masked(y + m * N + n0, _mm512_add_ps(_mm512_load_ps(c[r][m]), b), mask);
+  }
+}
+
+// Any M: rows in chunks of 16 (one A tile each); a group's weight tiles (3 x K/2 x 64 bytes,
+// <= 150 KB for K <= 1,600) stay in L2 across the chunks, so DRAM streams them once. x is
+// padded to whole chunks so every chunk has one tile shape; padded rows are never stored.
+void amx_run(const uint32_t* p, int64_t K2, const uint16_t* x, int64_t M, const uint16_t* bias,
+             at::BFloat16* y, int64_t N) {
+  constexpr int R = 3;  // 1 A + 3 B + 3 C of the 8 tile registers
+  const int64_t K = 2 * K2, chunks = (M + 15) / 16, rows = M <= 16 ? M : 16;
+  std::vector<uint16_t> padded;
+  if (M > 16 && M % 16 != 0) {
+    padded.assign(chunks * 16 * K, 0);
+    std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
+    x = padded.data();
+  }
+  const int64_t tiles = (N + 15) / 16, groups = (tiles + R - 1) / R;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;  // tile shapes are per thread state
+    cfg.rows[0] = uint8_t(rows);
+    cfg.colsb[0] = 64;
+    for (int t = 1; t <= 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 4; t <= 6; ++t) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t tile = g * R;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* xc = x + c * 16 * K;
+        const int64_t valid = std::min<int64_t>(16, M - c * 16);
+        at::BFloat16* yc = y + c * 16 * N;
+        if (tile + R <= tiles) {
+          amx_group<R>(p, K2, xc, K, valid, bias, yc, N, tile);
+        } else {
+          for (int64_t t = tile; t < tiles; ++t) amx_group<1>(p, K2, xc, K, valid, bias, yc, N, t);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+constexpr bool kAmxBuilt = false;
+bool cpu_has_amx_bf16() { return false; }
+bool request_tile_state() { return false; }
+void amx_run(const uint32_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, at::BFloat16*,
+             int64_t) {}
+#endif
+
+}  // namespace
+
+// Turn the AMX path of linear_packed_bf16 on or off; returns whether it is now on (it stays
+// off where the build, the CPU or the OS cannot run it).
+bool set_amx(bool enabled) {
+  amx_enabled = enabled && kAmxBuilt && cpu_has_amx_bf16() && request_tile_state();
+  return amx_enabled;
+}
+
 // W [N, K] bf16 -> [ceil(N/16), K/2, 16] int32: word (t, kp, c) holds W[16t + c, 2kp] in its
 // low half and W[16t + c, 2kp + 1] in its high half (zeros past N).
 torch::Tensor pack_bf16(torch::Tensor w) {
@@ -446,7 +590,7 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return out;
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) with W given as pack_bf16(W); 1 <= M <= 8.
+// y [M, N] = x [M, K] @ W^T (+ bias) with W given as pack_bf16(W); any M >= 1.
 torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t N,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -455,13 +599,24 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
                   packed.size(0) == (N + 15) / 16 && packed.size(1) * 2 == x.size(1),
               "packed weight does not match x or N");
   const int64_t M = x.size(0), K2 = packed.size(1);
-  TORCH_CHECK(M >= 1 && M <= 8, "1 <= M <= 8");
+  TORCH_CHECK(M >= 1, "at least one row");
   const uint16_t* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
   auto p = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   auto xv = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   auto out = y.data_ptr<at::BFloat16>();
-  with_rows(M, [&](auto m) { packed_run<decltype(m)::value>(p, K2, xv, b, out, N); });
+  if (amx_enabled && K2 % 16 == 0) {
+    amx_run(p, K2, reinterpret_cast<const uint16_t*>(xv), M, b, out, N);
+    return y;
+  }
+  // AVX512 holds 8 rows' accumulators in registers: more rows go 8 at a time (the weights
+  // stream once per 8 rows).
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, M - m0);
+    with_rows(rows, [&](auto m) {
+      packed_run<decltype(m)::value>(p, K2, xv + m0 * K2, b, out + m0 * N, N);
+    });
+  }
   return y;
 }
 
@@ -515,16 +670,20 @@ class DecodeStack {
     }
   }
 
-  // x [B, hidden] embedded tokens; keys/values per layer [B, Hkv, S, D]; lens[b] committed
-  // slots of row b (the new token goes to slot lens[b]); cos/sin [B, D]. Writes the new K/V,
-  // returns the final hidden states [B, hidden]. The caller commits one slot per row.
+  // x [T, hidden] embedded new tokens; keys/values per layer [B, Hkv, S, D]. Token t belongs
+  // to cache row rows[t] and goes to slot slots[t], attending to that row's slots
+  // [0, slots[t]]: one token per row is a decode step, a run of consecutive slots in one row
+  // is a prompt (causal within itself), and both can share one call. cos/sin [T, D]. Writes
+  // the new K/V, returns the final hidden states [T, hidden]. The caller commits the slots.
   torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values,
                         c10::optional<std::vector<torch::Tensor>> biases,
-                        std::vector<int64_t> lens, torch::Tensor cos, torch::Tensor sin) {
-    const int64_t B = x.size(0), W = (H_ + 2 * Hkv_) * D_;
+                        std::vector<int64_t> rows, std::vector<int64_t> slots, torch::Tensor cos,
+                        torch::Tensor sin) {
+    const int64_t T = x.size(0), W = (H_ + 2 * Hkv_) * D_;
     TORCH_CHECK((int64_t)keys.size() == (int64_t)layers_.size(), "one cache per layer");
-    std::vector<int64_t> attend(lens);
+    TORCH_CHECK((int64_t)rows.size() == T && (int64_t)slots.size() == T, "a row and a slot per token");
+    std::vector<int64_t> attend(slots);
     for (auto& n : attend) n += 1;
     torch::Tensor residual, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -537,14 +696,14 @@ class DecodeStack {
         h = hr[0];
         residual = hr[1];
       }
-      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b);  // [B, W]
+      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b);  // [T, W]
       if (L.q_norm.defined()) qk_norm(qkv, L.q_norm, L.k_norm);
       rope_inplace_bf16(qkv, cos, sin, H_ + Hkv_, D_);
-      write_cache(qkv, keys[i], values[i], lens);
-      auto q = qkv.as_strided({B, H_, D_}, {W, D_, 1});
+      write_cache(qkv, keys[i], values[i], rows, slots);  // every new K/V before any attends
+      auto q = qkv.as_strided({T, H_, D_}, {W, D_, 1});
       c10::optional<torch::Tensor> bias =
           biases.has_value() ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt;
-      torch::Tensor attn = decode_attention_bf16(q, keys[i], values[i], attend, scale_, bias);
+      torch::Tensor attn = attend_rows(q, keys[i], values[i], rows, attend, scale_, bias);
       torch::Tensor o = lin(attn, L.o_w, L.o_p, L.o_b);
       auto hr = add_rms_norm_bf16(o, residual, L.mlp_norm, eps_);
       residual = hr[1];
@@ -554,7 +713,7 @@ class DecodeStack {
     return add_rms_norm_bf16(x, residual, final_norm_, eps_)[0];
   }
 
-  // Logits [B, vocab] of final hidden states [B, hidden] (B <= 8) through the output head.
+  // Logits [B, vocab] of final hidden states [B, hidden] through the output head.
   torch::Tensor logits(torch::Tensor h) { return lin(h.contiguous(), head_, head_p_, {}); }
 
  private:
@@ -580,20 +739,21 @@ class DecodeStack {
       }
   }
 
-  // k/v of each row (heads H.. and H+Hkv.. of qkv) into slot lens[b] of its cache.
+  // k/v of each token (heads H.. and H+Hkv.. of qkv) into slot slots[t] of cache row rows[t].
   void write_cache(const torch::Tensor& qkv, torch::Tensor& k, torch::Tensor& v,
-                   const std::vector<int64_t>& lens) {
-    const int64_t B = qkv.size(0), W = qkv.size(1), S = k.size(2);
+                   const std::vector<int64_t>& rows, const std::vector<int64_t>& slots) {
+    const int64_t T = qkv.size(0), W = qkv.size(1), B = k.size(0), S = k.size(2);
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "contiguous cache buffers");
     auto src = qkv.data_ptr<at::BFloat16>();
     auto kp = k.data_ptr<at::BFloat16>();
     auto vp = v.data_ptr<at::BFloat16>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(lens[b] < S, "cache full");
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(rows[t] >= 0 && rows[t] < B && slots[t] >= 0 && slots[t] < S,
+                  "row or slot outside the cache");
       for (int64_t g = 0; g < Hkv_; ++g) {
-        const int64_t dst = ((b * Hkv_ + g) * S + lens[b]) * D_;
-        std::memcpy(kp + dst, src + b * W + (H_ + g) * D_, D_ * sizeof(at::BFloat16));
-        std::memcpy(vp + dst, src + b * W + (H_ + Hkv_ + g) * D_, D_ * sizeof(at::BFloat16));
+        const int64_t dst = ((rows[t] * Hkv_ + g) * S + slots[t]) * D_;
+        std::memcpy(kp + dst, src + t * W + (H_ + g) * D_, D_ * sizeof(at::BFloat16));
+        std::memcpy(vp + dst, src + t * W + (H_ + Hkv_ + g) * D_, D_ * sizeof(at::BFloat16));
       }
     }
   }
@@ -618,6 +778,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation", nogil);
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place", nogil);
   m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache", nogil);
+  m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 where possible");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
