@@ -131,11 +131,27 @@ def test_decode_attention(with_bias):
     assert fast.shape == (batch, heads * dim) and _rel(fast, ref) <= 2e-2
 
 
-def test_argmax_matches_torch():
-    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_argmax_matches_torch(dtype):
+    x = torch.randn(5, 49155, generator=torch.Generator().manual_seed(3))  # a 3-wide tail
     x[1, 100] = x[1, 200] = 1e6  # ties resolve to the first index
+    x[2, 117] = x[2, 101] = 1e6  # ... across lanes too (101 is lane 5, 117 lane 5 one step on)
+    x[3, 49154] = 1e6  # the maximum in the tail
+    x[4, 49153] = x[4, 7] = 1e6  # a tie between the vector part and the tail
+    x = x.to(dtype)
     fast, ref = both(lambda: kernels.argmax(x))
-    assert torch.equal(fast, x.argmax(-1)) and torch.equal(ref, fast) and fast[1] == 100
+    assert torch.equal(fast, x.float().argmax(-1)) and torch.equal(ref, fast)
+    assert fast[1:].tolist() == [100, 101, 49154, 7]
+
+
+def test_silu_over_the_whole_range():
+    """The kernel's own exp: silu(g) * u from -100 to 100 (exp clamps, no inf/NaN)."""
+    g = torch.linspace(-100, 100, 4001)
+    gu = torch.cat([g, torch.ones_like(g)]).view(1, -1).to(BF16)
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.silu_mul(gu))
+    assert torch.isfinite(fast.float()).all()
+    assert ((fast.float() - ref.float()).abs() <= 1e-2 * ref.float().abs() + 1e-6).all()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -208,6 +209,25 @@ std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor r, t
   return {y, h};
 }
 
+// exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
+// polynomial (relative error ~1e-7, far below bf16's 4e-3), times 2^n. Inputs clamped to
+// [-87, 88], where expf neither overflows nor goes subnormal.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
 // gu [M, 2I] (gate then up) -> silu(gate) * up [M, I], in fp32, rounded once.
 torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "contiguous [M, 2I]");
@@ -215,13 +235,15 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   auto y = torch::empty({M, I}, gu.options());
   auto gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
   auto yp = y.data_ptr<at::BFloat16>();
+  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* g = gp + m * 2 * I;
     const uint16_t* u = g + I;
-    for (int64_t i = 0; i < I; ++i) {
-      const float gv = float(c10::bit_cast<at::BFloat16>(g[i]));
-      const float uv = float(c10::bit_cast<at::BFloat16>(u[i]));
-      yp[m * I + i] = at::BFloat16(gv / (1.0f + std::exp(-gv)) * uv);
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 mask = tail_mask(I - i);
+      const __m512 gv = load_bf16_masked(g + i, mask), uv = load_bf16_masked(u + i, mask);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store_bf16_masked(yp + m * I + i, _mm512_mul_ps(silu, uv), mask);
     }
   }
   return y;
@@ -332,24 +354,55 @@ torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   return attend_rows(q, k, v, rows, lens, scale, bias);
 }
 
-// Row-wise argmax of [M, V] (first index on ties, like torch.argmax). NaN-free input assumed.
+// First index of the largest of n values, 16 lanes at a time: each lane keeps its first
+// maximum (strict >), then the smallest index among the lanes that hold the overall maximum.
+template <typename Load>
+int64_t argmax_row(int64_t n, Load load, const std::function<float(int64_t)>& at) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_i = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                     10, 11, 12, 13, 14, 15);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load(i);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+    idx = _mm512_add_epi32(idx, sixteen);
+  }
+  alignas(64) float bv[16];
+  alignas(64) int32_t bi[16];
+  _mm512_store_ps(bv, best);
+  _mm512_store_si512(bi, best_i);
+  float top = -INFINITY;
+  int64_t arg = 0;
+  for (int l = 0; l < 16 && l < n; ++l)
+    if (bv[l] > top || (bv[l] == top && bi[l] < arg)) top = bv[l], arg = bi[l];
+  for (; i < n; ++i)  // the tail comes after every vector index: strict > keeps the first
+    if (at(i) > top) top = at(i), arg = i;
+  return arg;
+}
+
+// Row-wise argmax of [M, V] bf16 or fp32 (first index on ties, like torch.argmax). NaN-free
+// input assumed.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2, "[M, V]");
-  auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), V = xf.size(1);
+  if (x.scalar_type() != at::kBFloat16) x = x.to(at::kFloat);
+  x = x.contiguous();
+  const int64_t M = x.size(0), V = x.size(1);
+  TORCH_CHECK(V >= 1 && V < (int64_t(1) << 31), "1 <= V < 2^31");
   auto out = torch::empty({M}, x.options().dtype(at::kLong));
-  const float* p = xf.data_ptr<float>();
   auto o = out.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = p + m * V;
-    int64_t best = 0;
-    float bv = row[0];
-    for (int64_t i = 1; i < V; ++i)
-      if (row[i] > bv) {
-        bv = row[i];
-        best = i;
-      }
-    o[m] = best;
+    if (x.scalar_type() == at::kBFloat16) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * V;
+      o[m] = argmax_row(V, [&](int64_t i) { return load_bf16(row + i); },
+                        [&](int64_t i) { return bf16_to_float(row[i]); });
+    } else {
+      const float* row = x.data_ptr<float>() + m * V;
+      o[m] = argmax_row(V, [&](int64_t i) { return _mm512_loadu_ps(row + i); },
+                        [&](int64_t i) { return row[i]; });
+    }
   }
   return out;
 }
