@@ -675,9 +675,11 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
 
 // ---- The whole decode step in one call ---------------------------------------------------
 //
-// Runs every layer for B rows of one new token each (B <= 8), against the rows' KV caches,
-// calling the kernels above directly: the same arithmetic as the Python path with the fused
-// ops, minus ~1,000 Python-level calls per token.
+// Runs every layer for a set of new tokens against their rows' KV caches: one token per row
+// (a decode step), a run of tokens in one row (a prompt), or both in one call. Calls the
+// kernels above directly: the same arithmetic as the Python path with the fused ops, minus
+// ~1,000 Python-level calls per step, and each weight matrix streams from memory once for
+// every token of the step.
 namespace {
 
 struct LayerWeights {
