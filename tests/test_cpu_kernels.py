@@ -238,7 +238,20 @@ def test_decode_of_more_rows_than_one_kernel_pass(model):
     assert _rel(fast, ref) <= 3e-2
 
 
-def test_fused_step_mixes_decode_rows_and_prompts(model, amx):
+@pytest.fixture(params=["rows", "packed-avx512", "packed-amx"])
+def stack_kind(request, model, monkeypatch):
+    """The model's decode stack rebuilt on each matmul path: weights as they are (row kernel,
+    CDLM_SERVE_PACKED=0), packed on AVX512, packed on AMX tiles (where available)."""
+    monkeypatch.setenv("CDLM_SERVE_PACKED", "0" if request.param == "rows" else "1")
+    if kernels.use_amx(request.param == "packed-amx") != (request.param == "packed-amx"):
+        pytest.skip("no AMX-BF16 here (CPU, kernel or compiler)")
+    model._decode_stack = None  # rebuilt by the next step, on this path
+    yield request.param
+    kernels.use_amx(True)
+    model._decode_stack = None
+
+
+def test_fused_step_mixes_decode_rows_and_prompts(model, stack_kind):
     """One fused call decodes two rows (one continuing a compacted, biased segment) and
     prefills a 7-token prompt into a third; then all three decode once more. Every logit and
     the cache bookkeeping match running each row alone through the PyTorch path."""

@@ -113,20 +113,24 @@ const uint16_t* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
 
 }  // namespace
 
-// x: [M, K] bf16 contiguous, 1 <= M <= 8; weight: [N, K] bf16 contiguous; bias: [N] or empty.
+// x: [M, K] bf16 contiguous, M >= 1 (8 rows per pass); weight: [N, K] bf16 contiguous; bias: [N]
+// or empty.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shape mismatch");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16 only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "1 <= M <= 8");
+  TORCH_CHECK(M >= 1, "at least one row");
   auto y = torch::empty({M, N}, x.options());
   auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* b = bias_ptr(bias, N);
   auto out = y.data_ptr<at::BFloat16>();
-  with_rows(M, [&](auto m) { run<decltype(m)::value>(w, xv, b, out, N, K); });
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // 8 rows per pass over the weights
+    const int64_t rows = std::min<int64_t>(8, M - m0);
+    with_rows(rows, [&](auto m) { run<decltype(m)::value>(w, xv + m0 * K, b, out + m0 * N, N, K); });
+  }
   return y;
 }
 
