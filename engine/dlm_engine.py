@@ -301,6 +301,10 @@ class DLMEngine:
                 tokens, pattern=AttentionPattern.bidirectional(), valid=valid if padded else None
             )
         cache = self._cache(mode, 0)
+        if mode == "cdlm":
+            fused = self._fused_blocks(rows, cache)
+            if fused is not None:
+                return fused
         if mode == "fast_dllm":
             for r in rows:
                 if r.seq.refresh:
@@ -329,6 +333,39 @@ class DLMEngine:
             commit=[r.commit for r in rows],
         )
         cache.absorb(view)
+        return hidden
+
+    def _fused_blocks(self, rows: list[_Row], cache: KVCache) -> Tensor | None:
+        """cdlm rows through the fused C++ step (bf16 on CPU): each row's new tokens (the
+        block just completed, to commit, then the current one; or the current one alone) are
+        block-causal, so every token attends to its row's committed slots and its own block,
+        bidirectionally. Returns hidden [n, Qmax, hidden] like the padded forward (padding
+        rows zero), or None where the fused kernels do not apply."""
+        ids: list[int] = []
+        owners: list[int] = []
+        slots: list[int] = []
+        attend: list[int] = []
+        for r in rows:
+            row, size, n = r.seq.row, r.seq.size, r.tokens.shape[0]
+            base = cache.lengths[row]
+            ids += r.tokens.tolist()
+            owners += [row] * n
+            slots += range(base, base + n)
+            attend += [base + min(n, (j // size + 1) * size) for j in range(n)]
+        flat = self.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
+        if flat is None:
+            return None
+        q_max = max(r.tokens.shape[0] for r in rows)
+        hidden = flat.new_zeros(len(rows), q_max, flat.shape[-1])
+        start = 0
+        for i, r in enumerate(rows):
+            n = r.tokens.shape[0]
+            hidden[i, :n] = flat[start : start + n]
+            start += n
+        counts = [0] * cache.batch
+        for r in rows:
+            counts[r.seq.row] = r.commit
+        cache.commit(counts)
         return hidden
 
     def _block_logits(self, row: _Row, hidden: Tensor) -> Tensor:

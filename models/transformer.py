@@ -245,8 +245,9 @@ class Transformer(nn.Module):
         cos2 = cos.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
         sin2 = sin.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
         rows = list(range(batch))
+        attend = [n + 1 for n in cache.lengths]
         hidden = stack.forward(
-            x, cache.keys, cache.values, cache.biases, rows, cache.lengths, cos2, sin2
+            x, cache.keys, cache.values, cache.biases, rows, cache.lengths, attend, cos2, sin2
         )
         cache.commit(self._commit_counts(commit, 1, batch, None))
         return hidden.view(batch, 1, -1)
@@ -262,40 +263,59 @@ class Transformer(nn.Module):
         Returns the final hidden state of each chunk's last token [len(chunks), hidden], or
         None where the fused kernels do not apply (GPU, fp32, ...): use forward() then.
         """
-        stack = kernels.decode_stack(self)
-        if stack is None or getattr(self, "_capturing", False):
-            return None
         rows: list[int] = []
         slots: list[int] = []
-        positions: list[int] = []
         ids: list[int] = []
         last: list[int] = []  # index of each chunk's last token
         for row, tokens in chunks:
-            n = len(tokens)
-            rows += [row] * n
-            slots += range(cache.lengths[row], cache.lengths[row] + n)
-            positions += range(cache.logical[row], cache.logical[row] + n)
+            rows += [row] * len(tokens)
+            slots += range(cache.lengths[row], cache.lengths[row] + len(tokens))
             ids += tokens
             last.append(len(ids) - 1)
-        cache.ensure_capacity(max(slots) + 1)
-        device, d = self.device, self.config.head_dim
-        cos, sin = self.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
-        x = self.embed_tokens(torch.tensor(ids, device=device))  # [T, hidden]
-        hidden = stack.forward(
-            x,
-            cache.keys,
-            cache.values,
-            cache.biases,
-            rows,
-            slots,
-            cos.reshape(-1, d).contiguous(),  # [T, D]
-            sin.reshape(-1, d).contiguous(),
-        )
+        hidden = self.fused_tokens(ids, rows, slots, [s + 1 for s in slots], cache)
+        if hidden is None:
+            return None
         counts = [0] * cache.batch
         for row, tokens in chunks:
             counts[row] = len(tokens)
         cache.commit(counts)
         return hidden[last]
+
+    def fused_tokens(
+        self,
+        ids: Sequence[int],
+        rows: Sequence[int],
+        slots: Sequence[int],
+        attend: Sequence[int],
+        cache: KVCache,
+    ) -> Tensor | None:
+        """The fused C++ step over arbitrary new tokens, committing nothing: token t (id
+        ids[t]) of cache row rows[t] writes its K/V to slot slots[t] and attends to that row's
+        slots [0, attend[t]); its RoPE position is the row's logical length plus its offset
+        past the committed slots. attend = slots + 1 is causal (decode, prompts); a block whose
+        tokens all attend to its end is bidirectional within itself (diffusion blocks).
+        Returns hidden states [T, hidden], or None where the fused kernels do not apply."""
+        stack = kernels.decode_stack(self)
+        if stack is None or getattr(self, "_capturing", False):
+            return None
+        positions = [
+            cache.logical[r] + s - cache.lengths[r] for r, s in zip(rows, slots, strict=True)
+        ]
+        cache.ensure_capacity(max(max(slots) + 1, max(attend)))
+        device, d = self.device, self.config.head_dim
+        cos, sin = self.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
+        x = self.embed_tokens(torch.tensor(list(ids), device=device))  # [T, hidden]
+        return stack.forward(
+            x,
+            cache.keys,
+            cache.values,
+            cache.biases,
+            list(rows),
+            list(slots),
+            list(attend),
+            cos.reshape(-1, d).contiguous(),  # [T, D]
+            sin.reshape(-1, d).contiguous(),
+        )
 
     def _rope_for(
         self,

@@ -730,20 +730,21 @@ class DecodeStack {
   }
 
   // x [T, hidden] embedded new tokens; keys/values per layer [B, Hkv, S, D]. Token t belongs
-  // to cache row rows[t] and goes to slot slots[t], attending to that row's slots
-  // [0, slots[t]]: one token per row is a decode step, a run of consecutive slots in one row
-  // is a prompt (causal within itself), and both can share one call. cos/sin [T, D]. Writes
-  // the new K/V, returns the final hidden states [T, hidden]. The caller commits the slots.
+  // to cache row rows[t], goes to slot slots[t] and attends to that row's slots
+  // [0, attend[t]). attend = slots + 1 is causal: one token per row is a decode step, a run of
+  // consecutive slots in one row a prompt, and both can share one call; a block of tokens
+  // that all attend to the block's end is a diffusion block (bidirectional within itself).
+  // cos/sin [T, D]. Writes the new K/V, returns the final hidden states [T, hidden]. The
+  // caller commits the slots (or not: a diffusion block rewrites its scratch slots).
   torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values,
                         c10::optional<std::vector<torch::Tensor>> biases,
-                        std::vector<int64_t> rows, std::vector<int64_t> slots, torch::Tensor cos,
-                        torch::Tensor sin) {
+                        std::vector<int64_t> rows, std::vector<int64_t> slots,
+                        std::vector<int64_t> attend, torch::Tensor cos, torch::Tensor sin) {
     const int64_t T = x.size(0), W = (H_ + 2 * Hkv_) * D_;
     TORCH_CHECK((int64_t)keys.size() == (int64_t)layers_.size(), "one cache per layer");
-    TORCH_CHECK((int64_t)rows.size() == T && (int64_t)slots.size() == T, "a row and a slot per token");
-    std::vector<int64_t> attend(slots);
-    for (auto& n : attend) n += 1;
+    TORCH_CHECK((int64_t)rows.size() == T && (int64_t)slots.size() == T &&
+                    (int64_t)attend.size() == T, "a row, a slot and a length per token");
     torch::Tensor residual, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LayerWeights& L = layers_[i];
