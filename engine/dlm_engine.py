@@ -151,7 +151,6 @@ class DLMEngine:
         self.running: dict[Decoding, list[DLMSequence]] = {d: [] for d in DECODINGS}
         self.waiting: list[DLMSequence] = []
         self.caches: dict[Decoding, KVCache] = {}
-        self._vanilla_scratch: KVCache | None = None  # see _scratch
         self.forward_passes = 0  # every model forward this engine ran (tests check steps)
         # Called with (sequence, block logits [B, V]) at every step; for tests and tracing.
         self.on_step: Callable[[DLMSequence, Tensor], None] | None = None
@@ -297,18 +296,19 @@ class DLMEngine:
             valid[i, : r.tokens.shape[0]] = True
         padded = not bool(valid.all())
         self.forward_passes += 1
-        if mode == "fast_dllm":
-            for r in rows:
-                if r.seq.refresh:
-                    self._cache(mode, 0).reset(r.seq.row)
-        fused = self._fused_forward(mode, rows)
-        if fused is not None:
-            return fused
         if mode == "vanilla":
             return self.model(
                 tokens, pattern=AttentionPattern.bidirectional(), valid=valid if padded else None
             )
         cache = self._cache(mode, 0)
+        if mode == "cdlm":
+            fused = self._fused_blocks(rows, cache)
+            if fused is not None:
+                return fused
+        if mode == "fast_dllm":
+            for r in rows:
+                if r.seq.refresh:
+                    cache.reset(r.seq.row)
         # Every row writes q_max scratch slots (its padding too) after what it holds.
         cache.ensure_capacity(max(cache.lengths[:n]) + q_max)
         if mode == "fast_dllm":
@@ -335,60 +335,38 @@ class DLMEngine:
         cache.absorb(view)
         return hidden
 
-    def _fused_forward(self, mode: Decoding, rows: list[_Row]) -> Tensor | None:
-        """The step through the fused C++ kernels (bf16 on CPU), or None where they do not
-        apply. Each row's new tokens attend to its committed slots plus, for cdlm, their own
-        block (the block just completed, to commit, then the current one: block-causal), or,
-        for vanilla and fast_dllm, all of the row's new tokens (bidirectional). vanilla has no
-        cache of its own: its whole sequences go through a scratch cache, committing nothing.
-        Returns hidden [n, Qmax, hidden] like the padded forward (padding zero)."""
-        q_max = max(r.tokens.shape[0] for r in rows)
-        if mode == "vanilla":
-            cache = self._scratch(len(rows), q_max)
-            owner = list(range(len(rows)))
-        else:
-            cache = self._cache(mode, 0)
-            owner = [r.seq.row for r in rows]
+    def _fused_blocks(self, rows: list[_Row], cache: KVCache) -> Tensor | None:
+        """cdlm rows through the fused C++ step (bf16 on CPU): each row's new tokens (the
+        block just completed, to commit, then the current one; or the current one alone) are
+        block-causal, so every token attends to its row's committed slots and its own block,
+        bidirectionally. Returns hidden [n, Qmax, hidden] like the padded forward (padding
+        rows zero), or None where the fused kernels do not apply."""
         ids: list[int] = []
         owners: list[int] = []
         slots: list[int] = []
         attend: list[int] = []
-        for r, row in zip(rows, owner, strict=True):
-            size, n = r.seq.size, r.tokens.shape[0]
+        for r in rows:
+            row, size, n = r.seq.row, r.seq.size, r.tokens.shape[0]
             base = cache.lengths[row]
             ids += r.tokens.tolist()
             owners += [row] * n
             slots += range(base, base + n)
-            if mode == "cdlm":
-                attend += [base + min(n, (j // size + 1) * size) for j in range(n)]
-            else:
-                attend += [base + n] * n
+            attend += [base + min(n, (j // size + 1) * size) for j in range(n)]
         flat = self.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
         if flat is None:
             return None
+        q_max = max(r.tokens.shape[0] for r in rows)
         hidden = flat.new_zeros(len(rows), q_max, flat.shape[-1])
         start = 0
         for i, r in enumerate(rows):
             n = r.tokens.shape[0]
             hidden[i, :n] = flat[start : start + n]
             start += n
-        if mode != "vanilla":
-            counts = [0] * cache.batch
-            for r, row in zip(rows, owner, strict=True):
-                counts[row] = r.commit
-            cache.commit(counts)
+        counts = [0] * cache.batch
+        for r in rows:
+            counts[r.seq.row] = r.commit
+        cache.commit(counts)
         return hidden
-
-    def _scratch(self, rows: int, capacity: int) -> KVCache:
-        """An empty cache of at least `rows` x `capacity` slots for vanilla's fused steps."""
-        cache = self._vanilla_scratch
-        if cache is None or cache.batch < rows:
-            cache = self.model.new_cache(max(rows, self.max_batch), max(capacity, 64))
-            self._vanilla_scratch = cache
-        cache.ensure_capacity(capacity)
-        for row in range(cache.batch):
-            cache.reset(row)
-        return cache
 
     def _block_logits(self, row: _Row, hidden: Tensor) -> Tensor:
         """[B, V] fp32 logits predicting the current block's tokens."""
