@@ -118,14 +118,16 @@ def test_rotary():
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_decode_attention(with_bias):
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_attention(with_bias, dim):
+    """Keys in blocks of 16 with a tail (17, 40), exactly one block (16), a single key (1)."""
     gen = torch.Generator().manual_seed(2)
-    batch, heads, kv_heads, slots, dim = 2, 6, 2, 40, 64
+    batch, heads, kv_heads, slots = 4, 6, 2, 40
     q = torch.randn(batch, heads, dim, generator=gen).to(BF16)
     keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
     values = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
     bias = torch.randn(batch, kv_heads, slots, generator=gen) if with_bias else None
-    lengths = [17, 40]
+    lengths = [17, 40, 16, 1]
     with torch.inference_mode():
         fast, ref = both(lambda: kernels.decode_attention(q, keys, values, lengths, 0.125, bias))
     assert fast.shape == (batch, heads * dim) and _rel(fast, ref) <= 2e-2

@@ -283,6 +283,25 @@ void rope_inplace_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   }
 }
 
+// [s_0 .. s_15] where s_i is the sum of the 16 lanes of a[i]: pairs within 128-bit lanes, then
+// pairs of pairs, then across the four 128-bit lanes; 15 adds and 30 shuffles for 16 sums.
+inline __m512 sum16(const __m512 a[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                  _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                  _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
 // Queries against cached keys: query t reads cache row rows[t], slots [0, lens[t]). q [T, H, D]
 // (heads contiguous, any row stride); k/v [B, Hkv, S, D] bf16; optional bias [B, Hkv, S] fp32
 // added to the scores (Attention Matching's beta). GQA: query head h reads KV head
@@ -314,6 +333,7 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   auto op = out.data_ptr<at::BFloat16>();
   const int64_t group = H / Hkv, qstride = q.stride(0);
   const float fscale = float(scale);
+  TORCH_CHECK(D <= 256, "head_dim <= 256");
   at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t th = begin; th < end; ++th) {
@@ -322,28 +342,49 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
       const uint16_t* kh = kp + (b * Hkv + g) * S * D;
       const uint16_t* vh = vp + (b * Hkv + g) * S * D;
       const float* bh_bias = bp ? bp + (b * Hkv + g) * S : nullptr;
-      p.resize(L);
-      float mx = -INFINITY;
+      p.resize((L + 15) / 16 * 16);
+      // Scores 16 keys at a time: D/32 dot-product steps per key, then one transposing
+      // reduction for all 16 (a horizontal sum per key would cost ~4x more).
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - j0);
+        const __mmask16 live = tail_mask(n);
+        __m512 part[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512 acc = _mm512_setzero_ps();
+          if (i < n)
+            for (int64_t d = 0; d < D; d += 32)
+              acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d),
+                                     (__m512bh)_mm512_loadu_si512(kh + (j0 + i) * D + d));
+          part[i] = acc;
+        }
+        __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(fscale));
+        if (bh_bias) sc = _mm512_add_ps(sc, _mm512_maskz_loadu_ps(live, bh_bias + j0));
+        sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sc);
+        _mm512_storeu_ps(p.data() + j0, sc);
+        mx = _mm512_max_ps(mx, sc);
+      }
+      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(tail_mask(L - j0),
+                                             exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p.data() + j0), top)));
+        _mm512_storeu_ps(p.data() + j0, e);
+        total = _mm512_add_ps(total, e);
+      }
+      // Weighted values: each key's probability broadcast once for all D/16 output vectors.
+      const int64_t C = D / 16;
+      __m512 acc[16];
+      for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
       for (int64_t j = 0; j < L; ++j) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d),
-                                 (__m512bh)_mm512_loadu_si512(kh + j * D + d));
-        p[j] = _mm512_reduce_add_ps(acc) * fscale + (bh_bias ? bh_bias[j] : 0.f);
-        mx = std::max(mx, p[j]);
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int64_t c = 0; c < C; ++c)
+          acc[c] = _mm512_fmadd_ps(pj, load_bf16(vh + j * D + 16 * c), acc[c]);
       }
-      float denom = 0.f;
-      for (int64_t j = 0; j < L; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        denom += p[j];
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / denom);
-      for (int64_t d = 0; d < D; d += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; ++j)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load_bf16(vh + j * D + d), acc);
-        _mm256_storeu_si256((__m256i*)(op + t * H * D + h * D + d), to_bf16(_mm512_mul_ps(acc, inv)));
-      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      for (int64_t c = 0; c < C; ++c)
+        _mm256_storeu_si256((__m256i*)(op + t * H * D + h * D + 16 * c),
+                            to_bf16(_mm512_mul_ps(acc[c], inv)));
     }
   });
   return out;
