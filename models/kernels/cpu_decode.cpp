@@ -547,8 +547,9 @@ void packed_run(const uint32_t* p, int64_t K2, const uint32_t* x, const uint16_t
 // 16-output tile are 16 contiguous 64-byte lines, i.e. one 1 KB tile loaded with stride 64. One
 // TDPBF16PS multiplies it with up to 16 activation rows (an A tile of 32 k) into 16 x 16 fp32
 // sums, so the rows cost no extra instructions per weight byte: AVX512's dpbf16 needs one per
-// row. Used where the CPU has AMX-BF16 and the kernel grants the tile state (Linux 5.16+),
-// K is a multiple of 32 and M <= 16. Built only when the compiler knows AMX (-mamx-*).
+// row. Used where the CPU has AMX-BF16 and the kernel grants the tile state (Linux 5.16+) and
+// K is a multiple of 32; any M, 16 rows per A tile. Built only when the compiler knows AMX
+// (-mamx-*).
 namespace {
 
 bool amx_enabled = false;
