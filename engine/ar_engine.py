@@ -96,8 +96,6 @@ class AREngine:
         self.running: list[ARSequence] = []
         self.cache: KVCache | None = None
         self.on_finish: Callable[[ARSequence], None] | None = None
-        # New prompts up to this many tokens (together) join the fused decode step.
-        self.fused_prefill_tokens = FUSED_PREFILL_TOKENS
         # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
         # SmolLM2) rather than inside the first request; None where it does not apply.
         kernels.decode_stack(model)
@@ -216,9 +214,9 @@ class AREngine:
         """Decode every running row and prefill the new sequences in one fused call (the
         weights stream from memory once for both; a prefill no longer stalls the batch for a
         forward of its own). False, with nothing changed, where it does not apply: no fused
-        kernels here, or prompts longer than `fused_prefill_tokens` together (the PyTorch
+        kernels here, or prompts longer than FUSED_PREFILL_TOKENS together (the PyTorch
         path's batched attention is the better tool for those)."""
-        if not (self.running or new) or sum(len(s.prompt) for s in new) > self.fused_prefill_tokens:
+        if not (self.running or new) or sum(len(s.prompt) for s in new) > FUSED_PREFILL_TOKENS:
             return False
         assert self.cache is not None  # running rows were prefilled into it, new rows taken
         chunks = [(s.row, [s.pending]) for s in self.running] + [(s.row, s.prompt) for s in new]

@@ -103,6 +103,14 @@ void with_rows(int64_t M, F&& f) {
   }
 }
 
+// Any row count M >= 1, 8 rows per pass (the registers hold 8 rows' accumulators, so the
+// weights stream once per 8 rows): calls f(m0, std::integral_constant<int, rows>) per pass.
+template <typename F>
+void in_row_passes(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8)
+    with_rows(std::min<int64_t>(8, M - m0), [&](auto m) { f(m0, m); });
+}
+
 // The raw pointer of an optional bf16 [N] bias (nullptr without one), checked.
 const uint16_t* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
@@ -127,10 +135,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   auto xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* b = bias_ptr(bias, N);
   auto out = y.data_ptr<at::BFloat16>();
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // 8 rows per pass over the weights
-    const int64_t rows = std::min<int64_t>(8, M - m0);
-    with_rows(rows, [&](auto m) { run<decltype(m)::value>(w, xv + m0 * K, b, out + m0 * N, N, K); });
-  }
+  in_row_passes(M, [&](int64_t m0, auto m) {
+    run<decltype(m)::value>(w, xv + m0 * K, b, out + m0 * N, N, K);
+  });
   return y;
 }
 
@@ -708,14 +715,9 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
     amx_run(p, K2, reinterpret_cast<const uint16_t*>(xv), M, b, out, N);
     return y;
   }
-  // AVX512 holds 8 rows' accumulators in registers: more rows go 8 at a time (the weights
-  // stream once per 8 rows).
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t rows = std::min<int64_t>(8, M - m0);
-    with_rows(rows, [&](auto m) {
-      packed_run<decltype(m)::value>(p, K2, xv + m0 * K2, b, out + m0 * N, N);
-    });
-  }
+  in_row_passes(M, [&](int64_t m0, auto m) {
+    packed_run<decltype(m)::value>(p, K2, xv + m0 * K2, b, out + m0 * N, N);
+  });
   return y;
 }
 
