@@ -304,10 +304,11 @@ class AREngine:
         """The session now holds the prompt and the answer. The last sampled token was never
         run through the model: it stays pending, fed first by the next request."""
         assert self.cache is not None
-        session = seq.session
-        session.cache = self.cache.extract_row(seq.row)
-        session.tokens = session.tokens + seq.prompt + seq.fed_tokens
-        session.pending = seq.pending_final
+        # A normal tensor, not an inference one (step() runs in inference mode): a later
+        # compaction writes into the session's cache in place.
+        with torch.inference_mode(False):
+            cache = self.cache.extract_row(seq.row)
+        seq.session.extend(cache, seq.prompt + seq.fed_tokens, seq.pending_final)
 
     def _finish(self, seq: ARSequence, out: StepOutput) -> StepOutput:
         seq.finish_reason = out.finish_reason

@@ -87,10 +87,59 @@ def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Te
     return score.topk(t).indices.sort().values
 
 
-def omp(h: HeadInputs, t: int, per_iter: int = 1, refit_every: int = 1) -> Tensor:
+@dataclass(slots=True)
+class OmpBudget:
+    """Wall time OMP's key selection may take over one whole compaction (all layers and heads).
+    Past `fast_after` (time.monotonic()) OMP continues as its fast variant (4 keys per
+    iteration, refit every 2); past `stop_after` it takes the keys still missing by highest
+    attention at once. `fast_from` / `stop_from` record the layer where each began."""
+
+    fast_after: float
+    stop_after: float
+    layer: int = 0  # the layer being fitted (set by the caller)
+    fast_from: int | None = None
+    stop_from: int | None = None
+
+    @classmethod
+    def starting_now(cls, seconds: float) -> OmpBudget:
+        """`seconds` of exact OMP, then as much again of its fast variant."""
+        now = time.monotonic()
+        return cls(now + seconds, now + 2 * seconds)
+
+    def pace(self, per_iter: int, refit_every: int) -> tuple[int, int, bool]:
+        """(keys per iteration, refit period, stop now) for OMP's next iteration."""
+        now = time.monotonic()
+        if now > self.stop_after:
+            if self.stop_from is None:
+                self.stop_from = self.layer
+            return per_iter, refit_every, True
+        if now > self.fast_after:
+            if self.fast_from is None:
+                self.fast_from = self.layer
+            return max(per_iter, 4), max(refit_every, 2), False
+        return per_iter, refit_every, False
+
+    def describe(self) -> str | None:
+        parts = []
+        if self.fast_from is not None:
+            parts.append(f"am-omp-fast from layer {self.fast_from}")
+        if self.stop_from is not None:
+            parts.append(f"highest-attention keys from layer {self.stop_from}")
+        if not parts:
+            return None
+        return "OMP time budget used up: " + ", then ".join(parts)
+
+
+def omp(
+    h: HeadInputs,
+    t: int,
+    per_iter: int = 1,
+    refit_every: int = 1,
+    budget: OmpBudget | None = None,
+) -> Tensor:
     """Orthogonal Matching Pursuit on the mass target: repeatedly add the keys whose exp-score
     columns correlate best with the mass not yet explained, refitting the nonnegative weights
-    every `refit_every` iterations."""
+    every `refit_every` iterations. With a budget, the pace quickens once it is spent."""
     e, m, _ = targets(h)  # E [n, T], m [n]
     norms = e.norm(dim=0).clamp_min(1e-12)  # [T]
     fit = _GrowingNNLS(e, m, t)
@@ -98,6 +147,14 @@ def omp(h: HeadInputs, t: int, per_iter: int = 1, refit_every: int = 1) -> Tenso
     residual = m.clone()
     iteration = 0
     while len(fit.chosen) < t:
+        stop = False
+        if budget is not None:
+            per_iter, refit_every, stop = budget.pace(per_iter, refit_every)
+        if stop:  # out of time: the missing keys by attention (beta and values fit as usual)
+            attention = torch.softmax(h.scores(), dim=1).pow(2).mean(dim=0)  # [T]
+            attention[~available] = -math.inf
+            fit.add(attention.topk(t - len(fit.chosen)).indices.tolist())
+            break
         corr = (e.T @ residual) / norms  # [T]
         corr[~available] = -math.inf
         take = corr.topk(min(per_iter, t - len(fit.chosen))).indices.tolist()
@@ -310,15 +367,19 @@ METHODS = (
 
 
 def select_keys(
-    h: HeadInputs, t: int, method: str, generator: torch.Generator | None = None
+    h: HeadInputs,
+    t: int,
+    method: str,
+    generator: torch.Generator | None = None,
+    budget: OmpBudget | None = None,
 ) -> Tensor:
     total = h.keys.shape[0]
     if not 1 <= t <= total:
         raise ValueError(f"target size {t} outside [1, {total}]")
     if method == "am-omp":
-        return omp(h, t)
+        return omp(h, t, budget=budget)
     if method == "am-omp-fast":
-        return omp(h, t, per_iter=4, refit_every=2)
+        return omp(h, t, per_iter=4, refit_every=2, budget=budget)
     if method in ("am-highest", "am-highest-fast"):
         return highest_attention(h, t)
     if method == "snapkv":
@@ -340,10 +401,12 @@ def compact_head(
     method: str,
     generator: torch.Generator | None = None,
     timings: dict[str, float] | None = None,
+    budget: OmpBudget | None = None,
 ) -> HeadResult:
-    """Compact one head to t slots with `method`; stage times add into `timings`."""
+    """Compact one head to t slots with `method`; stage times add into `timings`; `budget`
+    bounds OMP's key selection."""
     clock = _Clock(timings)
-    index = select_keys(h, t, method, generator)
+    index = select_keys(h, t, method, generator, budget)
     clock.lap("keys")
     if method.startswith("am-"):
         return fit(h, index, timings)

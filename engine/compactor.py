@@ -7,34 +7,54 @@
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
    - on-policy: the repeat queries again, but layer l's are taken with layers < l already
-     compacted, so each layer is fitted to the inputs it will really see afterwards. One pass:
-     the capture hook of layer l compacts layer l on a working copy of the row before that
-     layer attends (its dropped slots masked with a -inf bias), so the layers above run on
-     the compacted layers below.
+     compacted, so each layer is fitted to the inputs it will really see afterwards: the
+     repeat sequence runs one layer at a time over a working copy of the row, and layer l is
+     compacted (and spliced into the copy, its dropped slots masked with a -inf bias) between
+     its queries and its attention.
    Queries that come after the context are the useful reference: they are what later requests
    look like, and a bias fitted to the context's own queries does not carry over to them.
 2. Per layer and KV head, `engine.compaction.compact_head` on the region [0, T - keep_recent)
    (which may already hold compacted slots with biases: compaction composes).
 3. `KVCache.replace_prefix`: t slots stand for the region; the logical length is unchanged, so
    later tokens keep their RoPE positions.
+
+Bounded pieces of work. Everything that runs the model goes through `on_engine(fn)`, one piece
+at a time: the long forwards run one layer per piece (`Transformer.forward_stages`), the
+self-study generation one token per piece. The server passes a function that runs each piece on
+the model's engine thread between two decode steps and runs everything else (the fits, which
+are most of the time) on a compaction thread of its own, so a compaction holds the engine for at
+most one layer of one forward at a time (`CompactionReport.engine_seconds_max`). Layers are
+fitted as their queries arrive, so only one layer's queries are held at once. OMP's key
+selection has a wall-time budget (`OmpBudget`) past which it continues as its fast variant,
+then takes the remaining keys by attention; the report says so.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from engine.compaction import METHODS, HeadInputs, compact_head, relative_output_error
+from engine.compaction import METHODS, HeadInputs, OmpBudget, compact_head, relative_output_error
 from engine.kv_cache import KVCache
-from models.transformer import Transformer, capture_queries
+from models.transformer import Transformer, new_capture
 
 QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
+
+T = TypeVar("T")
+# Runs one piece of model work where the model may be used, and returns its result.
+OnEngine = Callable[[Callable[[], T]], T]
+
+
+def inline(fn: Callable[[], T]) -> T:
+    """Run model work right here (benchmarks, tests, a model nobody else is using)."""
+    return fn()
 
 
 @dataclass(slots=True)
@@ -49,6 +69,11 @@ class CompactionReport:
     reference_queries: int
     output_error: float  # mean relative attention-output error over layers and heads
     seconds: dict[str, float] = field(default_factory=dict)  # queries, keys, beta, values
+    # Pieces of model work and the longest of them (what the engine thread was held for).
+    engine_jobs: int = 0
+    engine_seconds_max: float = 0.0
+    # Set when OMP ran out of its time budget: what it did instead, from which layer on.
+    fallback: str | None = None
 
     @property
     def ratio(self) -> float:
@@ -60,61 +85,75 @@ class CompactionReport:
 
 def copy_row(cache: KVCache, row: int) -> KVCache:
     """A batch-1 cache holding a copy of one row's committed slots."""
-    n = cache.lengths[row]
-    keys = [k[row : row + 1, :, : max(n, 1)].clone() for k in cache.keys]
-    values = [v[row : row + 1, :, : max(n, 1)].clone() for v in cache.values]
-    biases = (
-        None
-        if cache.biases is None
-        else [b[row : row + 1, :, : max(n, 1)].clone() for b in cache.biases]
-    )
-    return KVCache(keys, values, [n], [cache.logical[row]], biases)
+    return cache.extract_row(row)
 
 
-def _stack_layers(captured: list[list[Tensor]]) -> list[Tensor]:
-    """Per layer: [H, n, D] queries from the forwards captured (batch row 0)."""
-    return [torch.cat([q[0] for q in forwards], dim=1) for forwards in captured]
+@dataclass(eq=False)
+class _Engine:
+    """`on_engine` with a stopwatch: counts the pieces and keeps the longest."""
+
+    on_engine: OnEngine
+    jobs: int = 0
+    longest: float = 0.0
+
+    def __call__(self, fn: Callable[[], T]) -> T:
+        def timed() -> T:
+            started = time.perf_counter()
+            try:
+                with torch.no_grad():  # grad mode is per thread: say it where the work runs
+                    return fn()
+            finally:
+                self.longest = max(self.longest, time.perf_counter() - started)
+
+        self.jobs += 1
+        return self.on_engine(timed)
+
+    def layers(self, stages) -> Iterator[Tensor]:
+        """Advance a staged forward one layer per piece; its queries [H, n, D] fp32 (row 0),
+        layer by layer."""
+        done = object()
+        while (q := self(lambda: next(stages, done))) is not done:
+            yield q[0].float()
 
 
-@torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
-def context_queries(model: Transformer, context_ids: list[int]) -> list[Tensor]:
-    ids = torch.tensor([context_ids], device=model.device)
-    with capture_queries(model) as captured:
-        model(ids)
-    return _stack_layers(captured)
-
-
-@torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
-def queries_after(model: Transformer, cache: KVCache, row: int, ids: list[int]) -> list[Tensor]:
-    """Queries of `ids` read as a continuation of the row (attending to its real cache);
-    nothing is committed."""
+def _stages(model: Transformer, ids: list[int], cache: KVCache | None = None, row: int = 0):
+    """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
+    a cache row (attending to its real slots, committing nothing)."""
     tokens = torch.tensor([ids], device=model.device)
+    if cache is None:
+        return model.forward_stages(tokens)
     cache.ensure_capacity(cache.lengths[row] + len(ids))  # before the view: views share buffers
-    view = cache.rows(row, row + 1)
-    with capture_queries(model) as captured:
-        model(tokens, cache=view, commit=False)
-    return _stack_layers(captured)
+    return model.forward_stages(tokens, cache=cache.rows(row, row + 1), commit=False)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
 def self_study_queries(
-    model: Transformer, tokenizer: Any, cache: KVCache, row: int, new_tokens: int = 48
+    model: Transformer,
+    tokenizer: Any,
+    cache: KVCache,
+    row: int,
+    new_tokens: int = 48,
+    on_engine: OnEngine = inline,
 ) -> list[Tensor]:
     """The model asks and answers a question about the context (greedy, on a copy of the
-    row); the queries of the instruction and of everything it wrote are captured."""
-    work = cache.extract_row(row)
+    row); per layer [H, n, D], the queries of the instruction and of everything it wrote. One
+    piece of model work per forward."""
+    work = copy_row(cache, row)
     work.ensure_capacity(work.lengths[0] + new_tokens + 64)
     prompt = tokenizer.encode(STUDY_INSTRUCTION, add_special_tokens=False)
     eos = set(model.config.eos_token_ids)
-    with capture_queries(model) as captured:
-        hidden = model(torch.tensor([prompt], device=model.device), cache=work)
-        token = int(model.logits(hidden[:, -1]).argmax(-1))
-        for _ in range(new_tokens):
-            if token in eos:
-                break
-            hidden = model(torch.tensor([[token]], device=model.device), cache=work)
-            token = int(model.logits(hidden[:, -1]).argmax(-1))
-    return _stack_layers(captured)
+    captured = new_capture(model)
+
+    def step(ids: list[int]) -> int:
+        hidden = model(torch.tensor([ids], device=model.device), cache=work, capture=captured)
+        return int(model.logits(hidden[:, -1]).argmax(-1))
+
+    token = on_engine(lambda: step(prompt))
+    for _ in range(new_tokens):
+        if token in eos:
+            break
+        token = on_engine(lambda t=token: step([t]))
+    return [torch.cat([q[0] for q in forwards], dim=1) for forwards in captured]
 
 
 def reference_queries(
@@ -124,18 +163,23 @@ def reference_queries(
     row: int,
     context_ids: list[int],
     source: str,
-) -> list[Tensor]:
-    """Per layer [H, n, D]: the queries of `source`, one of QUERY_SOURCES bar "on-policy" (which
-    only exists during a compaction); `compact_row` checks the name."""
-    parts: list[list[Tensor]] = []
+    on_engine: OnEngine = inline,
+) -> Iterator[Tensor]:
+    """Per layer, in layer order, [H, n, D] fp32: the queries of `source`, one of
+    QUERY_SOURCES bar "on-policy" (which only exists during a compaction). The long forwards
+    advance in step, one layer each, so one layer's queries are held at a time."""
+    engine = on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine)
+    streams: list[Iterator[Tensor]] = []
     if source == "context":
-        parts.append(context_queries(model, context_ids))
+        streams.append(engine.layers(engine(lambda: _stages(model, context_ids))))
     if "repeat" in source:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
-        parts.append(queries_after(model, cache, row, instruction + context_ids))
+        ids = instruction + context_ids
+        streams.append(engine.layers(engine(lambda: _stages(model, ids, cache, row))))
     if "self-study" in source:
-        parts.append(self_study_queries(model, tokenizer, cache, row))
-    return [torch.cat([p[layer] for p in parts], dim=1) for layer in range(len(parts[0]))]
+        streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
+    for parts in zip(*streams, strict=True):
+        yield torch.cat(parts, dim=1)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -151,12 +195,16 @@ def compact_row(
     keep_recent: int = 0,
     seed: int = 0,
     max_queries: int = 2048,
+    on_engine: OnEngine = inline,
+    omp_budget: float | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
     `context_ids` is the token history the row holds (queries are built from it). Each KV head
     fits at most `max_queries` reference queries (a seeded random subset of its group's): the
-    fits cost O(queries x tokens), and a few thousand queries already pin t << T slots."""
+    fits cost O(queries x tokens), and a few thousand queries already pin t << T slots.
+    `on_engine` runs the pieces that use the model (see the module's doc); `omp_budget` bounds
+    OMP's key selection, in seconds for the whole compaction."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     if query_source not in QUERY_SOURCES:
@@ -171,17 +219,21 @@ def compact_row(
         raise ValueError(f"target {target} must be between 1 and the {region} slots compacted")
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    fit = _LayerFit(model.config, cache, row, region, target, method, seed, max_queries, seconds)
+    budget = None if omp_budget is None else OmpBudget.starting_now(omp_budget)
+    fit = _LayerFit(
+        model.config, cache, row, region, target, method, seed, max_queries, seconds, budget
+    )
+    engine = _Engine(on_engine)
     if query_source == "on-policy":
-        n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit)
-        fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
-        seconds["queries"] = time.perf_counter() - started - fitting  # the forward's share
+        n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine)
     else:
-        queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source)
-        seconds["queries"] = time.perf_counter() - started
-        for layer in range(model.config.num_layers):
-            fit(layer, queries[layer])
-        n_queries = int(queries[0].shape[1])
+        n_queries = 0
+        queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source, engine)
+        for layer, q in enumerate(queries):
+            fit(layer, q)
+            n_queries = int(q.shape[1])
+    fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
+    seconds["queries"] = time.perf_counter() - started - fitting
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
     seconds = {k: round(v, 4) for k, v in seconds.items()}
     seconds["total"] = round(time.perf_counter() - started, 4)
@@ -196,6 +248,9 @@ def compact_row(
         reference_queries=n_queries,
         output_error=round(sum(fit.errors) / len(fit.errors), 5),
         seconds=seconds,
+        engine_jobs=engine.jobs,
+        engine_seconds_max=round(engine.longest, 4),
+        fallback=None if budget is None else budget.describe(),
     )
 
 
@@ -213,6 +268,7 @@ class _LayerFit:
     seed: int
     max_queries: int
     seconds: dict[str, float]
+    budget: OmpBudget | None = None
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     biases: list[Tensor] = field(default_factory=list)
@@ -228,6 +284,8 @@ class _LayerFit:
         keys, values, bias = self.cache.read(self.row, layer)  # [Hkv, T, D], [Hkv, T]
         q = queries.cpu()
         layer_k, layer_v, layer_b = [], [], []
+        if self.budget is not None:
+            self.budget.layer = layer
         for g in range(cfg.num_kv_heads):
             pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
             if pooled.shape[0] > self.max_queries:
@@ -240,7 +298,7 @@ class _LayerFit:
                 scale=cfg.head_dim**-0.5,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
-            r = compact_head(h, self.target, self.method, self.generator, self.seconds)
+            r = compact_head(h, self.target, self.method, self.generator, self.seconds, self.budget)
             self.errors.append(relative_output_error(h, r))
             layer_k.append(r.keys)
             layer_v.append(r.values)
@@ -257,29 +315,20 @@ class _LayerFit:
         return out
 
 
-class _OnPolicySink(list):
-    """Stands in for a layer's query-capture list: when the layer hands over its queries
-    (before it attends), compact it and splice the result into the working copy, so this
-    layer's attention, and every layer above, runs on the compacted cache."""
-
-    def __init__(self, layer: int, fit: _LayerFit, work: KVCache):
-        super().__init__()
-        self.layer, self.fit, self.work = layer, fit, work
-
-    def append(self, q: Tensor) -> None:  # q [1, H, n, D]
-        keys, values, beta = self.fit(self.layer, q[0])
-        t, region = keys.shape[1], self.fit.region
-        k_buf, v_buf = self.work.keys[self.layer], self.work.values[self.layer]
-        b_buf = self.work.biases[self.layer]  # type: ignore[index]
-        k_buf[0, :, :t] = keys.to(k_buf.dtype)
-        v_buf[0, :, :t] = values.to(v_buf.dtype)
-        b_buf[0, :, :t] = beta.to(b_buf.dtype)
-        # The slots the segment replaces stay in place (so every layer keeps one length) but
-        # can no longer be attended to.
-        k_buf[0, :, t:region] = 0
-        v_buf[0, :, t:region] = 0
-        b_buf[0, :, t:region] = float("-inf")
-        super().append(q)
+def _splice(work: KVCache, layer: int, segment: tuple[Tensor, Tensor, Tensor], region: int):
+    """Put a layer's compacted segment into the working copy: this layer's attention, and every
+    layer above, then runs on the compacted cache. The slots the segment replaces stay in
+    place (so every layer keeps one length) but can no longer be attended to."""
+    keys, values, beta = segment
+    t = keys.shape[1]
+    k_buf, v_buf = work.keys[layer], work.values[layer]
+    b_buf = work.biases[layer]  # type: ignore[index]
+    k_buf[0, :, :t] = keys.to(k_buf.dtype)
+    v_buf[0, :, :t] = values.to(v_buf.dtype)
+    b_buf[0, :, :t] = beta.to(b_buf.dtype)
+    k_buf[0, :, t:region] = 0
+    v_buf[0, :, t:region] = 0
+    b_buf[0, :, t:region] = float("-inf")
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -290,22 +339,16 @@ def _on_policy(
     row: int,
     context_ids: list[int],
     fit: _LayerFit,
+    engine: _Engine,
 ) -> int:
-    """Compact every layer in one pass of the repeat sequence over a working copy of the row;
-    returns the number of reference queries per layer."""
+    """Compact every layer in one staged pass of the repeat sequence over a working copy of the
+    row: layer l is fitted from its queries and spliced in before it attends. Returns the
+    number of reference queries per layer."""
     work = copy_row(cache, row)
     if work.biases is None:
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
-    work.ensure_capacity(work.lengths[0] + len(ids))
-    sinks = [_OnPolicySink(i, fit, work) for i in range(model.config.num_layers)]
-    for block, sink in zip(model.layers, sinks, strict=True):
-        block.attn.captured = sink
-    model._capturing = True
-    try:
-        model(torch.tensor([ids], device=model.device), cache=work, commit=False)
-    finally:
-        model._capturing = False
-        for block in model.layers:
-            block.attn.captured = None
+    stages = engine(lambda: _stages(model, ids, work, 0))
+    for layer, q in enumerate(engine.layers(stages)):
+        _splice(work, layer, fit(layer, q), fit.region)
     return len(ids)

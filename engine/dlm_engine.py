@@ -241,17 +241,20 @@ class DLMEngine:
         return outputs
 
     def _admit(self) -> None:
-        while self.waiting:
-            seq = self.waiting[0]
+        """Waiting requests join their mode's batch while it has room, in arrival order within
+        a mode; a full mode never holds back requests of another (no head-of-line blocking)."""
+        still_waiting = []
+        for seq in self.waiting:
             mode = seq.params.decoding
-            if len(self.running[mode]) >= self.max_batch:
-                break
-            self.waiting.pop(0)
             group = self.running[mode]
+            if len(group) >= self.max_batch:
+                still_waiting.append(seq)
+                continue
             seq.row = len(group)
             group.append(seq)
             if mode == "cdlm":
                 self._prefill(seq)
+        self.waiting = still_waiting
 
     def _cache(self, mode: Decoding, capacity: int) -> KVCache:
         """The mode's KV cache: max_batch rows (row i belongs to running[mode][i]), grown to
@@ -453,11 +456,12 @@ class DLMEngine:
         self, seq: DLMSequence, ids: list[int], reason: str | None, hidden_last: bool = False
     ) -> DLMOutput:
         parts = []
-        for t in ids[:-1] if hidden_last else ids:
+        for i, t in enumerate(ids[:-1] if hidden_last else ids):
             delta = seq.text.push(t)
             parts.append(delta.text)
-            if delta.stopped:  # a stop string: the text ends before it
+            if delta.stopped:  # a stop string: the text ends before it, and so does the answer
                 reason = "stop"
+                ids = ids[: i + 1]  # counted up to the token that completed the stop string
                 break
         else:
             if reason is not None:

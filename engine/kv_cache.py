@@ -52,6 +52,14 @@ class KVCache:
             logical=[0] * batch,
         )
 
+    @staticmethod
+    def bytes_per_slot(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one token's K and V take over all layers (biases, 4 bytes per KV head and
+        layer, come on top once a segment is compacted)."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
     # ---- shape ---------------------------------------------------------------------------
     @property
     def batch(self) -> int:

@@ -30,7 +30,8 @@ class SamplingParams:
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A per-request generator: the same seed and request give the same text."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+    # Any int64 seed, plus the offsets of a request's n choices, maps into torch's range.
+    gen.manual_seed(seed % 2**64 if seed is not None else secrets.randbits(63))
     return gen
 
 

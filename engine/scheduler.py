@@ -5,6 +5,11 @@ The engine interface is small: `add(seq)`, `step() -> outputs` (each with a `req
 function that builds its sequence (given an `aborted()` check), and leaves as an async
 iterator of its outputs. A consumer that goes away sets the abort flag; the engine drops the
 sequence at its next step.
+
+Model work that is not a sequence (a session's prefill, prompt logprobs, a compaction's query
+capture) is submitted as jobs (`submit`, `call`, `run`): each runs on the engine thread, one
+between two steps, so the model is only ever used from this thread and long work, cut into
+pieces, never stops decoding for longer than one piece.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +48,14 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     aborted: threading.Event = field(default_factory=threading.Event)
-    exclusive: bool = False  # a job run on the engine thread between steps, not a sequence
+
+
+@dataclass(slots=True)
+class _Job:
+    """A piece of model work run on the engine thread between two steps."""
+
+    fn: Callable[[], Any]
+    result: Future
 
 
 class BatchWorker:
@@ -57,7 +70,7 @@ class BatchWorker:
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called with each step's wall time (metrics)
-        self._inbox: queue.Queue[_Request | None] = queue.Queue()
+        self._inbox: queue.Queue[_Request | _Job | None] = queue.Queue()
         self._live: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._stop = False
@@ -101,24 +114,54 @@ class BatchWorker:
         finally:
             req.aborted.set()
 
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the engine thread between two steps (it may use the model freely);
+        its result or exception arrives in the returned future. Requests already decoding wait
+        for it, so keep each piece of work short: long work is cut into pieces and submitted
+        one at a time, letting decode steps run in between. From any thread."""
+        job = _Job(fn, Future())
+        if self._stop or not self._thread.is_alive():
+            job.result.set_exception(RuntimeError(f"{self.name}: the engine is shutting down"))
+            return job.result
+        self._inbox.put_nowait(job)
+        return job.result
+
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the engine thread between two steps (it may use the model freely) and
-        return its result. Requests already decoding wait for it; it does not wait for them."""
-        req = _Request(
-            f"{self.name}-job-{next(self._ids)}",
-            lambda *_: fn,
-            asyncio.get_running_loop(),
-            asyncio.Queue(),
-            exclusive=True,
-        )
-        self._inbox.put_nowait(req)
-        item = await req.out.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        """`submit` for the event loop: await the result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """`submit` for a thread that may block (a compaction thread): wait for the result."""
+        future = self.submit(fn)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if not self._thread.is_alive() and not future.running():
+                    raise RuntimeError(f"{self.name}: the engine has stopped") from None
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._stop = True
+            self._drain()
+
+    def _drain(self) -> None:
+        """After the loop ends: nothing left in the inbox may wait forever."""
+        while True:
+            try:
+                req = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(req, _Job):
+                req.result.set_exception(RuntimeError(f"{self.name}: the engine has stopped"))
+            elif req is not None:
+                self._send(req, RuntimeError(f"{self.name}: the engine has stopped"))
+                self._send(req, _DONE)
+
+    def _loop(self) -> None:
         while True:
             if not self._admit(block=not self.engine.has_work()):
                 break
@@ -154,11 +197,10 @@ class BatchWorker:
                 self._stop = True
                 block = False
                 continue
-            if req.exclusive:
-                try:
-                    self._send(req, req.build(req.id, req.aborted.is_set)())
-                except Exception as e:  # handed to the caller
-                    self._send(req, e)
+            if isinstance(req, _Job):
+                self._run_job(req)
+                if self.engine.has_work():
+                    return True  # one job between two steps: decoding never waits for a queue
                 continue
             try:
                 seq = req.build(req.id, req.aborted.is_set)
@@ -169,6 +211,15 @@ class BatchWorker:
             self._live[req.id] = req
             self.engine.add(seq)
             block = False
+
+    @staticmethod
+    def _run_job(job: _Job) -> None:
+        if not job.result.set_running_or_notify_cancel():
+            return
+        try:
+            job.result.set_result(job.fn())
+        except BaseException as e:  # handed to the caller
+            job.result.set_exception(e)
 
     def _fail_all(self, error: Exception) -> None:
         for req in self._live.values():

@@ -36,12 +36,20 @@ class ServedModel:
     engine: AREngine | DLMEngine
     worker: BatchWorker
     created: int
+    max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
 
     @property
     def is_diffusion(self) -> bool:
         return self.config.is_diffusion
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; ValueError, before tokenizing, for a text so long that even
+        the longest tokens could not fit it in the context."""
+        if len(text) > self.max_model_len * self.max_token_chars:
+            raise ValueError(
+                f"a prompt of {len(text)} characters cannot fit the context of "
+                f"{self.max_model_len} tokens"
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -108,4 +116,5 @@ def load_served_model(
         engine=engine,
         worker=worker,
         created=int(time.time()),
+        max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
     )

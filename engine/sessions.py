@@ -4,12 +4,15 @@ A session holds the token history whose K/V its cache holds, the cache itself (b
 with compacted segments: fewer physical slots than its logical length, per-slot biases), the
 last sampled token not yet run through the model, and the list of compactions applied.
 
+Every change a client is told about is on disk first (`SessionStore.persist`, in the versioned
+format of `engine.session_files`: a crash at any moment leaves the last complete version).
 Memory is bounded: past `max_bytes` of caches in memory, the least recently used idle sessions
-are written to disk and dropped from memory; any access loads them back. On disk a session is a
-folder with `kv.safetensors` (per layer keys/values/biases of the committed slots) and
-`meta.json`, each written to a temporary file, fsynced and renamed; `meta.json` is renamed last,
-so a folder without it is an interrupted write and is ignored. Sessions are also written when
-compacted and when the server shuts down, and are found again on restart.
+are dropped from memory (they are on disk already); any access loads them back. Disk is bounded
+too: at most `max_sessions` sessions and `max_disk_bytes` of files; a request that would go past
+either is refused (`SessionLimit`), never answered by deleting someone else's session.
+
+Session ids follow one rule (`SESSION_ID`), checked wherever an id enters, and every folder the
+store touches is checked to lie directly inside its root.
 
 Each session has a lock: a completion holds it from admission to its last token, a compaction
 for its whole run, so the two never interleave on one cache.
@@ -17,11 +20,8 @@ for its whole run, so the two never interleave on one cache.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -31,18 +31,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from engine import session_files
 from engine.kv_cache import KVCache
-from models.fetch import fsync_dir
+from engine.session_files import CorruptSession, Version
 
 log = logging.getLogger(__name__)
 
-_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# The one rule for session ids: ASCII letters and digits, then also '_' and '-', 1-128 long.
+# No dots (so never '.', '..' or a hidden name), no separators, nothing a filesystem reads.
+SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
+SESSION_ID = re.compile(SESSION_ID_PATTERN)
+SESSION_ID_RULE = "1-128 characters of A-Z a-z 0-9 _ -, starting with a letter or digit"
 
 
 class SessionError(ValueError):
-    pass
+    """A request about sessions that cannot be done; `status` is its HTTP status."""
+
+    status = 400
+
+
+class SessionExists(SessionError):
+    status = 409
+
+
+class SessionLimit(SessionError):
+    """The store is full (sessions or disk); 507 Insufficient Storage."""
+
+    status = 507
+
+
+def check_id(sid: Any) -> str:
+    if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
+        raise SessionError(f"invalid session id: it must be {SESSION_ID_RULE}")
+    return sid
 
 
 @dataclass(eq=False)
@@ -50,11 +72,16 @@ class Session:
     id: str
     model: str
     tokens: list[int]  # history whose K/V the cache holds, in order
-    cache: KVCache | None  # None while it lives on disk only
+    cache: KVCache | None  # None while it lives on disk only (or has no tokens yet)
     pending: int | None = None  # last sampled token, not yet in the cache
     compactions: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # What is on disk: the committed version, and how many leading slots of `cache` it holds
+    # unchanged (an append writes only the slots after them).
+    version: Version | None = None
+    disk_slots: int = 0
+    dirty: bool = True  # the session differs from its committed version
 
     @property
     def logical_length(self) -> int:
@@ -63,8 +90,28 @@ class Session:
     def nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes(0)
 
+    # ---- changes (the caller holds the lock) -----------------------------------------------
+    def extend(self, cache: KVCache, new_tokens: list[int], pending: int | None) -> None:
+        """A completion appended `new_tokens` to the history: `cache` holds the old slots
+        unchanged, then theirs."""
+        self.cache = cache
+        self.tokens = self.tokens + new_tokens
+        self.pending = pending
+        self.dirty = True
+
+    def rewrite(self, cache: KVCache, tokens: list[int] | None = None) -> None:
+        """Every slot changed (a prefill from scratch, a compaction)."""
+        self.cache = cache
+        if tokens is not None:
+            self.tokens = tokens
+        self.disk_slots = 0
+        self.dirty = True
+
     def describe(self) -> dict[str, Any]:
         cache = self.cache
+        physical = cache.lengths[0] if cache is not None else None
+        if physical is None and self.version is not None:
+            physical = self.version.length
         return {
             "id": self.id,
             "object": "session",
@@ -72,53 +119,95 @@ class Session:
             "created": int(self.created),
             "tokens": len(self.tokens) + (self.pending is not None),
             "logical_length": self.logical_length,
-            "physical_tokens": None if cache is None else cache.lengths[0],
+            "physical_tokens": physical,
             "bytes": self.nbytes(),
+            "disk_bytes": 0 if self.version is None else self.version.disk_bytes,
             "in_memory": cache is not None,
             "compactions": self.compactions,
         }
 
 
 class SessionStore:
-    def __init__(self, root: Path, max_bytes: int):
-        self.root = root
-        self.max_bytes = max_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        root: Path,
+        max_bytes: int,
+        max_sessions: int = 1024,
+        max_disk_bytes: int | None = None,
+    ):
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root.resolve()
+        self.max_bytes = max_bytes  # caches kept in memory
+        self.max_sessions = max_sessions
+        self.max_disk_bytes = max_disk_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order, oldest first
         self._lock = threading.Lock()  # guards the table, never held while waiting on a session
+        self._disk_bytes = 0
         self._discover()
 
-    # ---- table ---------------------------------------------------------------------------
+    # ---- paths -----------------------------------------------------------------------------
+    def folder(self, sid: str) -> Path:
+        """The session's folder, checked to lie directly inside the root (defence in depth:
+        ids are checked where they enter, and a symlink planted in the root is refused)."""
+        path = (self.root / check_id(sid)).resolve()
+        if path.parent != self.root or path.name != sid:
+            raise SessionError(f"session {sid!r} resolves outside the session store")
+        return path
+
+    # ---- table -----------------------------------------------------------------------------
     def _discover(self) -> None:
-        for meta_path in sorted(self.root.glob("*/meta.json")):
+        session_files.empty_trash(self.root)
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith(".") or not path.is_dir():
+                continue
             try:
-                meta = json.loads(meta_path.read_text())
-                session = Session(
-                    meta["id"],
-                    meta["model"],
-                    meta["tokens"],
-                    None,
-                    meta.get("pending"),
-                    meta.get("compactions", []),
-                    meta.get("created", time.time()),
-                )
-                self._sessions[session.id] = session
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("ignoring unreadable session %s: %s", meta_path.parent, e)
-        for stale in self.root.glob(".tmp-*"):  # writes that were interrupted
-            shutil.rmtree(stale, ignore_errors=True)
+                folder = self.folder(path.name)
+                version = session_files.recover(folder)
+            except (SessionError, CorruptSession, OSError) as e:
+                log.warning("not loading %s: %s", path, e)
+                continue
+            if version is None:
+                log.info("removed %s: a create that was never committed", path)
+                continue
+            session = Session(
+                version.id,
+                version.model,
+                version.tokens,
+                None,
+                version.pending,
+                version.compactions,
+                version.created,
+                version=version,
+                disk_slots=version.length,
+                dirty=False,
+            )
+            self._sessions[session.id] = session
+            self._disk_bytes += version.disk_bytes
 
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
 
+    def all(self) -> list[Session]:
+        """Every session, oldest use first (without counting this as a use)."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
     def create(self, model: str, session_id: str | None = None) -> Session:
-        sid = session_id or f"sess-{uuid.uuid4().hex}"
-        if not _ID.fullmatch(sid):
-            raise SessionError("session id must be 1-128 of A-Z a-z 0-9 _ . -")
+        """A new session in the table (not yet on disk: `persist` it before answering)."""
+        sid = check_id(session_id) if session_id is not None else f"sess-{uuid.uuid4().hex}"
+        self.folder(sid)
         with self._lock:
             if sid in self._sessions:
-                raise SessionError(f"session {sid!r} already exists")
+                raise SessionExists(f"session {sid!r} already exists")
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionLimit(
+                    f"the session store is full ({self.max_sessions} sessions); "
+                    "delete sessions you no longer need"
+                )
             session = Session(sid, model, [], None)
             self._sessions[sid] = session
         return session
@@ -130,31 +219,45 @@ class SessionStore:
                 self._sessions.move_to_end(sid)
             return session
 
-    def delete(self, sid: str) -> bool:
+    def delete(self, session: Session) -> None:
+        """Remove a session from the table and the disk (hold its lock; blocking I/O)."""
         with self._lock:
-            session = self._sessions.pop(sid, None)
-        if session is None:
-            return False
-        shutil.rmtree(self.root / sid, ignore_errors=True)
-        return True
+            if self._sessions.get(session.id) is session:
+                del self._sessions[session.id]
+            if session.version is not None:
+                self._disk_bytes -= session.version.disk_bytes
+        session_files.trash(self.folder(session.id))
+        session.version = None
 
-    # ---- memory ----------------------------------------------------------------------------
+    def forget(self, session: Session) -> None:
+        """Drop a session that was never committed (its create failed)."""
+        with self._lock:
+            if self._sessions.get(session.id) is session and session.version is None:
+                del self._sessions[session.id]
+
+    # ---- limits ----------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         with self._lock:
             return sum(s.nbytes() for s in self._sessions.values())
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())
+        return self._disk_bytes
 
-    def load(self, session: Session, device: torch.device, dtype: torch.dtype) -> KVCache:
-        """The session's cache, read back from disk if it was spilled (hold its lock)."""
-        if session.cache is None:
-            path = self.root / session.id / "kv.safetensors"
-            session.cache = _read_cache(path, device, dtype) if path.exists() else None
-        return session.cache
+    def check_room(self, extra_bytes: int) -> None:
+        """Refuse work that would take the store past its disk quota (checked when a request
+        that grows a session is admitted; one request may go past by at most its own size)."""
+        if self.max_disk_bytes is None:
+            return
+        if self._disk_bytes + extra_bytes > self.max_disk_bytes:
+            raise SessionLimit(
+                f"the session store's disk quota is used up ({self._disk_bytes / 1e9:.2f} of "
+                f"{self.max_disk_bytes / 1e9:.2f} GB, this request needs up to "
+                f"{extra_bytes / 1e6:.1f} MB more); delete or compact sessions"
+            )
 
     def enforce_limit(self) -> None:
-        """Spill least recently used idle sessions until memory fits the bound."""
+        """Drop least recently used idle caches from memory until they fit the bound (each is
+        on disk first). Blocking I/O: not for the event loop."""
         while self.memory_bytes() > self.max_bytes:
             with self._lock:
                 victims = [
@@ -175,88 +278,46 @@ class SessionStore:
                 victim.lock.release()
 
     # ---- disk ------------------------------------------------------------------------------
+    def load(self, session: Session, device: torch.device, dtype: torch.dtype) -> KVCache | None:
+        """The session's cache, read back from disk if it was spilled (hold its lock)."""
+        if session.cache is None and session.version is not None and session.version.segments:
+            session.cache = session_files.read_cache(
+                self.folder(session.id), session.version, device, dtype
+            )
+            session.disk_slots = session.version.length
+        return session.cache
+
     def persist(self, session: Session) -> None:
-        """Write the session atomically (hold its lock)."""
-        final = self.root / session.id
-        tmp = self.root / f".tmp-{session.id}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            if session.cache is not None:
-                _write_cache(session.cache, tmp / "kv.safetensors")
-            elif (final / "kv.safetensors").exists():  # spilled already: keep the file
-                shutil.copy2(final / "kv.safetensors", tmp / "kv.safetensors")
-            meta = {
-                "id": session.id,
-                "model": session.model,
-                "tokens": session.tokens,
-                "pending": session.pending,
-                "compactions": session.compactions,
-                "created": session.created,
-            }
-            _write_json(meta, tmp / "meta.json")
-            fsync_dir(tmp)
-            if final.exists():
-                old = self.root / f".tmp-old-{session.id}-{uuid.uuid4().hex[:8]}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        """Commit the session's current state to disk, if it changed (hold its lock)."""
+        if not session.dirty:
+            return
+        if session.cache is None and session.tokens and session.version is not None:
+            return  # spilled: what is on disk is what there is
+        old = session.version
+        draft = Version(
+            id=session.id,
+            model=session.model,
+            tokens=session.tokens,
+            pending=session.pending,
+            compactions=session.compactions,
+            created=session.created,
+            length=0,
+            logical=0,
+            generation=0 if old is None else old.generation,
+            segments=[] if old is None else old.segments,
+        )
+        committed = session_files.write_version(
+            self.folder(session.id), draft, session.cache, session.disk_slots
+        )
+        with self._lock:
+            self._disk_bytes += committed.disk_bytes - (0 if old is None else old.disk_bytes)
+        session.version = committed
+        session.disk_slots = committed.length
+        session.dirty = False
 
     def persist_all(self) -> None:
         for sid in self.ids():
             session = self.get(sid)
-            if session is not None and session.cache is not None:
+            if session is not None and session.dirty:
                 with session.lock:
                     self.persist(session)
-
-
-def _write_cache(cache: KVCache, path: Path) -> None:
-    n = cache.lengths[0]
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(cache.num_layers):
-        keys, values, bias = cache.read(0, layer)
-        tensors[f"k.{layer}"] = keys.contiguous().cpu()
-        tensors[f"v.{layer}"] = values.contiguous().cpu()
-        if bias is not None:
-            tensors[f"b.{layer}"] = bias.contiguous().cpu()
-    meta = {"length": str(n), "logical": str(cache.logical[0])}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_cache(path: Path, device: torch.device, dtype: torch.dtype) -> KVCache:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    tensors = load_file(str(path))
-    layers = sum(1 for k in tensors if k.startswith("k."))
-    n, logical = int(meta["length"]), int(meta["logical"])
-    capacity = max(64, n * 2)
-
-    def grow(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-        out = torch.zeros(1, t.shape[0], capacity, *t.shape[2:], device=device, dtype=dt)
-        out[0, :, :n] = t.to(device=device, dtype=dt)
-        return out
-
-    keys = [grow(tensors[f"k.{i}"], dtype) for i in range(layers)]
-    values = [grow(tensors[f"v.{i}"], dtype) for i in range(layers)]
-    biases = None
-    if "b.0" in tensors:
-        biases = [grow(tensors[f"b.{i}"], torch.float32) for i in range(layers)]
-    return KVCache(keys, values, [n], [logical], biases)
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    with path.open("w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())

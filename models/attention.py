@@ -90,6 +90,17 @@ class AttentionMask:
     is_causal: bool
     key_len: int
 
+    def rows(self, start: int, stop: int, q_len: int, device: torch.device) -> AttentionMask:
+        """The mask of queries [start, stop) of the Q = q_len new tokens (attention computed in
+        query chunks), SDPA's causal flag turned into an explicit boolean mask: query i sees
+        keys up to key_len - q_len + i (the keys end with the new tokens)."""
+        if self.visible is not None:
+            return AttentionMask(self.visible[:, :, start:stop], False, self.key_len)
+        if not self.is_causal:
+            return self
+        visible = causal_rows(start, stop, q_len, self.key_len, device)
+        return AttentionMask(visible, False, self.key_len)
+
 
 def build_mask(
     pattern: AttentionPattern,
@@ -136,6 +147,14 @@ def build_mask(
     gathered = new_vis.gather(2, rel.clamp(0, q_len - 1)[:, None, :].expand(batch, q_len, key_len))
     visible = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [B, Q, K]
     return AttentionMask(visible.unsqueeze(1), False, key_len)
+
+
+def causal_rows(start: int, stop: int, q_len: int, key_len: int, device: torch.device) -> Tensor:
+    """bool [1, 1, stop - start, key_len]: causal visibility of queries [start, stop) of Q new
+    tokens that are the last Q of key_len keys."""
+    first = key_len - q_len + start
+    q_pos = torch.arange(first, first + stop - start, device=device)
+    return (torch.arange(key_len, device=device)[None, :] <= q_pos[:, None])[None, None]
 
 
 def _uniform_fast_path(

@@ -8,8 +8,7 @@ checkpoint's separate matrices). What differs per family lives in `ModelConfig` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,10 @@ from models import kernels
 from models.attention import AttentionMask, AttentionPattern, build_mask, with_key_bias
 from models.config import ModelConfig
 from models.rope import RotaryTable, inverse_frequencies
+
+# Attention with an explicit mask runs in query chunks whose [B, H, chunk, K] mask and scores
+# stay under this many elements (64 MB in fp32), however long the sequence and the cache.
+ATTENTION_CHUNK_ELEMENTS = 1 << 24
 
 
 class Linear(nn.Linear):
@@ -56,9 +59,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, **kw)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
-        # When a list, every forward appends its post-RoPE queries [B, H, Q, D] (Attention
-        # Matching's reference queries); see `models.transformer.capture_queries`.
-        self.captured: list[Tensor] | None = None
 
     def forward(
         self,
@@ -68,7 +68,17 @@ class Attention(nn.Module):
         mask: AttentionMask,
         cache: KVCache | None,
         layer: int,
+        capture: list[Tensor] | None = None,
     ) -> Tensor:
+        """x [B, Q, hidden] -> [B, Q, hidden]. With `capture`, the post-RoPE queries
+        [B, H, Q, D] (fp32) are appended to it (Attention Matching's reference queries)."""
+        q, k, v = self.project(x, cos, sin)
+        if capture is not None:
+            capture.append(q.detach().float().clone())
+        return self.attend(q, k, v, mask, cache, layer)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, Q, hidden] -> post-RoPE q [B, H, Q, D], k and v [B, Hkv, Q, D]."""
         batch, q_len, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [B, Q, (H + 2Hkv) * D]
@@ -79,22 +89,61 @@ class Attention(nn.Module):
         # q and k rotate together: one pass instead of two.
         qkv = kernels.rotate_qk(qkv, cos, sin, h + hkv, d)
         q = qkv[..., : h * d].view(batch, q_len, h, d).transpose(1, 2)  # [B, H, Q, D]
-        if self.captured is not None:
-            self.captured.append(q.detach().float().clone())
         k = qkv[..., h * d : (h + hkv) * d].view(batch, q_len, hkv, d).transpose(1, 2)
         v = qkv[..., (h + hkv) * d :].view(batch, q_len, hkv, d).transpose(1, 2)  # [B,Hkv,Q,D]
+        return q, k, v
 
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+    ) -> Tensor:
+        """The new tokens' q [B, H, Q, D] and k, v [B, Hkv, Q, D] (written to the cache first,
+        when there is one) -> attention output through o_proj, [B, Q, hidden]."""
+        batch, h, q_len, d = q.shape
         bias = None
         if cache is not None:
             k, v = cache.write(layer, k, v)  # [B, Hkv, K, D] committed slots + these tokens
             bias = cache.key_bias(layer, mask.key_len)
-        attn_mask, is_causal = mask.visible, mask.is_causal
-        if bias is not None:
-            attn_mask, is_causal = with_key_bias(mask, bias, q_len, h, q.dtype), False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale, enable_gqa=h != hkv
-        )  # [B, H, Q, D]
+        out = self._sdpa(q, k, v, mask, bias)  # [B, H, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d))
+
+    def _sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, bias: Tensor | None
+    ) -> Tensor:
+        """SDPA, in query chunks where a mask would otherwise be dense over [B, H, Q, K]: a
+        per-key bias (compacted slots) or an explicit visibility mask makes SDPA build a
+        float mask and score matrix of that size, gigabytes for a long sequence over a long
+        cache. Each chunk's mask and scores stay under ATTENTION_CHUNK_ELEMENTS."""
+        batch, h, q_len, _ = q.shape
+        key_len, gqa = k.shape[2], h != self.num_kv_heads
+        if bias is None and mask.visible is None:  # no explicit mask: SDPA's own kernels
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=gqa
+            )
+        rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * h * key_len))
+        outs = []
+        for start in range(0, q_len, rows):
+            stop = min(q_len, start + rows)
+            part = mask.rows(start, stop, q_len, q.device)
+            attn_mask = part.visible
+            if bias is not None:
+                attn_mask = with_key_bias(part, bias, stop - start, h, q.dtype)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:stop],
+                    k,
+                    v,
+                    attn_mask=attn_mask,
+                    scale=self.scale,
+                    enable_gqa=gqa,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):
@@ -118,35 +167,41 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, device, dtype)
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer
+        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, capture=None
     ) -> tuple[Tensor, Tensor]:
         """Pre-norm block on the residual stream. Returns (this block's MLP output, the
         residual stream before it): the add happens inside the next norm, fused."""
+        h, residual = self._attention_input(x, residual)
+        h = self.attn(h, cos, sin, mask, cache, layer, capture)
+        return self._after_attention(h, residual)
+
+    def stages(
+        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer
+    ) -> Generator[Tensor, None, tuple[Tensor, Tensor]]:
+        """forward() in two parts: yields the post-RoPE queries [B, H, Q, D] before attending
+        (the caller may change this layer's cache slots meanwhile), then finishes."""
+        h, residual = self._attention_input(x, residual)
+        q, k, v = self.attn.project(h, cos, sin)
+        yield q
+        h = self.attn.attend(q, k, v, mask, cache, layer)
+        return self._after_attention(h, residual)
+
+    def _attention_input(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         if residual is None:
-            residual, h = x, self.attn_norm(x)
-        else:
-            h, residual = self.attn_norm.add_forward(x, residual)
-        h = self.attn(h, cos, sin, mask, cache, layer)
+            return self.attn_norm(x), x
+        return self.attn_norm.add_forward(x, residual)
+
+    def _after_attention(self, h: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         h, residual = self.mlp_norm.add_forward(h, residual)
         return self.mlp(h), residual
 
 
-@contextmanager
-def capture_queries(model: Transformer) -> Iterator[list[list[Tensor]]]:
-    """Collect every layer's post-RoPE queries while the block runs: yields a list with, per
-    layer, the [B, H, Q, D] tensors of each forward. Uses the PyTorch path (the fused decode
-    step does not capture), so run ordinary forwards inside."""
-    layers = [block.attn for block in model.layers]
-    out: list[list[Tensor]] = [[] for _ in layers]
-    for attn, sink in zip(layers, out, strict=True):
-        attn.captured = sink
-    model._capturing = True
-    try:
-        yield out
-    finally:
-        model._capturing = False
-        for attn in layers:
-            attn.captured = None
+# Per-layer query lists: capture[layer] receives each forward's post-RoPE queries [B, H, Q, D].
+QueryCapture = list[list[Tensor]]
+
+
+def new_capture(model: Transformer) -> QueryCapture:
+    return [[] for _ in model.layers]
 
 
 class Transformer(nn.Module):
@@ -199,6 +254,7 @@ class Transformer(nn.Module):
         pattern: AttentionPattern | None = None,
         valid: Tensor | None = None,
         commit: bool | int | Sequence[int] = True,
+        capture: QueryCapture | None = None,
     ) -> Tensor:
         """Run Q new tokens per row and return final hidden states [B, Q, hidden].
 
@@ -208,33 +264,75 @@ class Transformer(nn.Module):
         are the whole sequence. `positions` [B, Q] defaults to continuing each row's logical
         length (or 0.. without a cache; cumsum(valid) - 1 when padded). `pattern` defaults to
         the family's own (causal for AR models, bidirectional for DLMs). `valid` [B, Q] marks
-        padding, which no other token attends to.
+        padding, which no other token attends to. With `capture` (`new_capture(model)`), every
+        layer's post-RoPE queries are appended to its list (on the PyTorch path).
         """
         batch, q_len = input_ids.shape
-        pattern = pattern or AttentionPattern(self.config.default_attention)
-        cached_lens = cache.lengths if cache is not None else None
         if cache is not None:
             cache.ensure_capacity(max(cache.lengths) + q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
-        fused_ok = not getattr(self, "_capturing", False)
-        if cache is not None and q_len == 1 and valid is None and commit is not False and fused_ok:
+        if (
+            cache is not None
+            and q_len == 1
+            and valid is None
+            and commit is not False
+            and capture is None
+        ):
             stack = kernels.decode_stack(self)
             if stack is not None:
                 # One new token per row, committed: the fused C++ step runs every layer.
                 return self._fused_decode(stack, input_ids, cos, sin, cache, commit)
-        # Where every row's new tokens start, when that is one host-known position.
-        starts = cache.logical if cache is not None else [0]
-        shared = explicit_positions is None and valid is None
-        q_start = starts[0] if shared and all(n == starts[0] for n in starts) else None
-        mask = build_mask(pattern, positions, cached_lens, valid, q_start)
-
+        mask = self._mask(pattern, positions, cache, valid, explicit_positions is None)
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):
-            x, residual = block(x, residual, cos, sin, mask, cache, i)
-        x, _ = self.norm.add_forward(x, residual)
+            x, residual = block(
+                x, residual, cos, sin, mask, cache, i, None if capture is None else capture[i]
+            )
+        return self._finish(x, residual, cache, commit, q_len, batch, valid)
 
+    def forward_stages(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: KVCache | None = None,
+        commit: bool | int | Sequence[int] = True,
+    ) -> Generator[Tensor, None, Tensor]:
+        """forward() one layer at a time, always on the PyTorch path: yields each layer's
+        post-RoPE queries [B, H, Q, D] before that layer attends, and returns the final hidden
+        states. Each resumption runs one layer (attention, MLP, the next layer's projections),
+        so the caller can spread a long forward over bounded pieces of work, and may change a
+        layer's cache slots between its queries and its attention (on-policy compaction)."""
+        batch, q_len = input_ids.shape
+        if cache is not None:
+            cache.ensure_capacity(max(cache.lengths) + q_len)
+        cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
+        mask = self._mask(None, positions, cache, None, True)
+        x = self.embed_tokens(input_ids)  # [B, Q, hidden]
+        residual = None
+        for i, block in enumerate(self.layers):
+            x, residual = yield from block.stages(x, residual, cos, sin, mask, cache, i)
+        return self._finish(x, residual, cache, commit, q_len, batch, None)
+
+    def _mask(
+        self,
+        pattern: AttentionPattern | None,
+        positions: Tensor,
+        cache: KVCache | None,
+        valid: Tensor | None,
+        default_positions: bool,
+    ) -> AttentionMask:
+        pattern = pattern or AttentionPattern(self.config.default_attention)
+        # Where every row's new tokens start, when that is one host-known position.
+        starts = cache.logical if cache is not None else [0]
+        shared = default_positions and valid is None
+        q_start = starts[0] if shared and all(n == starts[0] for n in starts) else None
+        cached_lens = cache.lengths if cache is not None else None
+        return build_mask(pattern, positions, cached_lens, valid, q_start)
+
+    def _finish(self, x, residual, cache, commit, q_len, batch, valid) -> Tensor:
+        x, _ = self.norm.add_forward(x, residual)
         if cache is not None and commit is not False:
             cache.commit(self._commit_counts(commit, q_len, batch, valid))
         return x
@@ -296,7 +394,7 @@ class Transformer(nn.Module):
         tokens all attend to its end is bidirectional within itself (diffusion blocks).
         Returns hidden states [T, hidden], or None where the fused kernels do not apply."""
         stack = kernels.decode_stack(self)
-        if stack is None or getattr(self, "_capturing", False):
+        if stack is None:
             return None
         positions = [
             cache.logical[r] + s - cache.lengths[r] for r, s in zip(rows, slots, strict=True)

@@ -20,11 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel, load_served_model
-from engine.sessions import SessionStore
+from engine.sessions import SessionError, SessionStore
 from models.fetch import serve_home
 from server import chat, completions, sessions
 from server.errors import APIError, error_body, error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
+from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,10 +33,16 @@ from server.schemas import (
     ErrorResponse,
     ModelList,
 )
+from server.sessions import Compactions
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+# With an API key, every path but these needs it (deny by default: a route added later, or a
+# path spelled another way, is never open by accident).
+OPEN_PATHS = frozenset(
+    {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -65,6 +72,14 @@ class ServerSettings:
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
     session_lock_wait: float = 10.0  # seconds a busy session is waited for before 409
+    max_sessions: int = 1024
+    sessions_disk_bytes: int | None = 20 << 30  # None: no quota
+    compaction_omp_budget: float = 60.0  # seconds of exact OMP per compaction (then faster)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a real key, or no key to turn auth off")
 
 
 @dataclass(slots=True)
@@ -74,6 +89,7 @@ class ServerState:
     settings: ServerSettings
     sessions: SessionStore
     metrics: Metrics = field(default_factory=Metrics)
+    compactions: Compactions = field(default_factory=Compactions)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
@@ -130,6 +146,7 @@ class ServerState:
         """Let in-flight requests finish, stop the engine threads, write sessions to disk."""
         for served in self.models.values():
             served.worker.shutdown(timeout=60)
+        self.compactions.shutdown()
         self.sessions.persist_all()
 
 
@@ -145,11 +162,30 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+def _document_models(app: FastAPI, names: list[str]) -> None:
+    """The OpenAPI schema lists the served model names for every request's `model` (clients
+    and API fuzzers then know what exists; any other name answers 404)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("CompletionRequest", "ChatCompletionRequest", "SessionCreateRequest"):
+            if name in components:
+                components[name]["properties"]["model"]["enum"] = names
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(
     settings: ServerSettings, loader: Callable[[ServerState], None] | None = None
 ) -> FastAPI:
     store = SessionStore(
-        settings.sessions_dir or serve_home() / "sessions", settings.session_memory_bytes
+        settings.sessions_dir or serve_home() / "sessions",
+        settings.session_memory_bytes,
+        settings.max_sessions,
+        settings.sessions_disk_bytes,
     )
     state = ServerState(settings, store)
     state.metrics.add_gauges(state.gauges)
@@ -169,7 +205,8 @@ def create_app(
     app = FastAPI(title="cdlm-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
     @app.middleware("http")
     async def request_context(request: Request, call_next):
@@ -177,7 +214,7 @@ def create_app(
         token = REQUEST_ID.set(rid)
         started = time.perf_counter()
         try:
-            if settings.api_key and request.url.path.startswith("/v1"):
+            if settings.api_key is not None and request.url.path not in OPEN_PATHS:
                 auth = request.headers.get("authorization", "")
                 given = auth[7:] if auth.lower().startswith("bearer ") else ""
                 if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
@@ -237,8 +274,14 @@ def create_app(
         }
 
     sessions.install(app, state, errors)
+    _document_models(app, [spec.name for spec in settings.models])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**errors, 409: errors[400], 507: errors[400]},
+        operation_id="create_completion",
+    )
     async def create_completion(req: CompletionRequest, request: Request):
         served = state.get(req.model)
         if req.session_id is not None:
@@ -268,7 +311,9 @@ def create_app(
         return JSONResponse(body)
 
     async def session_completion(req: CompletionRequest, request: Request, served: ServedModel):
-        """A completion that continues from a session's cache (held locked throughout)."""
+        """A completion that continues from a session's cache, holding it locked throughout.
+        With `append`, the grown session is on disk before the answer (or the stream's
+        [DONE]) goes out."""
         session = sessions.find(state, req.session_id)
         if session.model != req.model:
             raise APIError(
@@ -285,19 +330,39 @@ def create_app(
         try:
             await sessions.load_cache(state, served, session)
             choices = completions.plan_session(served, req, session)
+            if req.append:
+                grows = len(choices[0].prompt_ids) + choices[0].params.max_tokens
+                try:
+                    store.check_room(grows * sessions.bytes_per_token(served))
+                except SessionError as e:
+                    raise sessions.session_error(e, "session_id") from None
         except BaseException:
             await lock.__aexit__(None, None, None)
             raise
 
+        async def commit() -> None:  # a no-op unless the answer was appended
+            await sessions.unstoppable(sessions.persist(store, session))
+
         async def release() -> None:
-            await lock.__aexit__(None, None, None)
-            store.enforce_limit()
+            try:
+                await commit()  # also after an abort: what the engine appended is kept
+            except APIError as e:  # the answer already said so, or was never asked for
+                log.warning("session %s not stored: %s", session.id, e.message)
+            finally:
+                await lock.__aexit__(None, None, None)
+            await sessions.spill(store)
 
         if req.stream:
+            done = completions.sse("[DONE]")
 
             async def body():
                 try:
                     async for chunk in completions.stream(served, req, choices, state.metrics):
+                        if chunk == done:
+                            try:
+                                await commit()
+                            except APIError as e:
+                                yield completions.sse(error_body(e.status, e.message, e.param))
                         yield chunk
                 finally:
                     await release()
@@ -307,6 +372,7 @@ def create_app(
             result = await until_disconnected(
                 request, completions.complete(served, req, choices, state.metrics)
             )
+            await commit()
         finally:
             await release()
         return JSONResponse(result)

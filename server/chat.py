@@ -11,6 +11,7 @@ from engine.served_model import ServedModel
 from server.completions import (
     Choice,
     Tally,
+    encode,
     new_id,
     plan_choices,
     record,
@@ -56,7 +57,7 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
         },
     )
     text = render_prompt(served, req)
-    ids = served.encode(text)
+    ids = encode(served, text, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     return plan_choices(served, req, [(ids, text)], max_tokens, top)

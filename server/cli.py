@@ -131,6 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
         "CDLM_SERVE_SESSION_LOCK_WAIT)",
     )
     serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=int(_env("MAX_SESSIONS", "1024") or 1024),
+        help="sessions the store may hold; creating one more answers 507 (env "
+        "CDLM_SERVE_MAX_SESSIONS)",
+    )
+    serve.add_argument(
+        "--sessions-disk-gb",
+        type=float,
+        default=float(_env("SESSIONS_DISK_GB", "20") or 20),
+        help="disk quota of the session store in GB; requests that would grow it past the quota "
+        "answer 507, 0 = no quota (env CDLM_SERVE_SESSIONS_DISK_GB; default 20)",
+    )
+    serve.add_argument(
+        "--compaction-omp-budget",
+        type=float,
+        default=float(_env("COMPACTION_OMP_BUDGET", "60") or 60),
+        help="seconds of exact OMP key selection per compaction; past it OMP continues as "
+        "am-omp-fast, past twice it takes the remaining keys by attention, and the response "
+        "says so (env CDLM_SERVE_COMPACTION_OMP_BUDGET)",
+    )
+    serve.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=float(_env("MAX_BODY_MB", "8") or 8),
+        help="largest request body; larger ones answer 413 (env CDLM_SERVE_MAX_BODY_MB)",
+    )
+    serve.add_argument(
         "--max-batch",
         type=int,
         default=int(_env("MAX_BATCH", "8") or 8),
@@ -159,6 +187,20 @@ def serve(args: argparse.Namespace) -> None:
     from server.app import ServerSettings, create_app
 
     specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
+    if args.api_key is not None and not args.api_key.strip():
+        sys.exit(
+            "cdlm-serve: the API key (--api-key or CDLM_SERVE_API_KEY) is empty; give a real "
+            "key, or leave it out to serve without auth"
+        )
+    for flag, value in (
+        ("--max-sessions", args.max_sessions),
+        ("--max-body-mb", args.max_body_mb),
+        ("--compaction-omp-budget", args.compaction_omp_budget),
+    ):
+        if value <= 0:
+            sys.exit(f"cdlm-serve: {flag} must be > 0")
+    if args.sessions_disk_gb < 0:
+        sys.exit("cdlm-serve: --sessions-disk-gb must be >= 0 (0 = no quota)")
     device = pick_device(args.device)
     settings = ServerSettings(
         models=[parse_model_spec(s.strip()) for s in specs if s.strip()],
@@ -171,6 +213,10 @@ def serve(args: argparse.Namespace) -> None:
         sessions_dir=args.sessions_dir,
         session_memory_bytes=args.session_memory_mb << 20,
         session_lock_wait=args.session_lock_wait,
+        max_sessions=args.max_sessions,
+        sessions_disk_bytes=int(args.sessions_disk_gb * 1e9) if args.sessions_disk_gb else None,
+        compaction_omp_budget=args.compaction_omp_budget,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
     )
     names = [m.name for m in settings.models]
     if len(set(names)) != len(names):

@@ -19,14 +19,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from engine import model_work
 from engine.dlm_engine import DLMParams
 from engine.sampling import SamplingParams
 from engine.scheduler import QueueFull
 from engine.served_model import ServedModel
 from server.errors import APIError, error_body
 from server.metrics import Metrics
+from server.request_limits import MAX_CHOICES
 from server.schemas import CompletionRequest
 
 DLM_OPTIONS = ("decoding", "block_size", "threshold")
@@ -74,6 +74,13 @@ def reject_unsupported(served: ServedModel, req: Any, unsupported: dict[str, boo
             raise APIError(400, f"{param} is not supported {reason}", param=param)
 
 
+def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
+    try:
+        return served.encode(text)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+
+
 def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
     """Each prompt of a request (string, list of strings, token ids, list of id lists) as
     (token ids, text)."""
@@ -87,7 +94,7 @@ def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
     out = []
     for p in items:
         if isinstance(p, str):
-            ids = served.encode(p)
+            ids = encode(served, p)
             if not ids and served.config.bos_token_id is not None:
                 ids = [int(served.config.bos_token_id)]
             if not ids:
@@ -151,6 +158,12 @@ def plan_choices(
     logprobs: int | None,
 ) -> list[Choice]:
     limit = served.max_model_len
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices per request",
+            param="n",
+        )
     choices = []
     for i, (ids, text) in enumerate(prompts):
         room = limit - len(ids)
@@ -338,22 +351,6 @@ class LegacyLogprobs:
         }
 
 
-@torch.inference_mode()
-def prompt_logprobs(served: ServedModel, ids: list[int], top_k: int) -> list[tuple]:
-    """(token, logprob, top) for every prompt token (the first has none): one forward pass."""
-    model = served.model
-    logits = model.logits(model(torch.tensor([ids], device=model.device)))[0].float()
-    logp = torch.log_softmax(logits, dim=-1)  # [P, V]; row i predicts token i + 1
-    out: list[tuple] = [(ids[0], None, None)]
-    for i, tok in enumerate(ids[1:]):
-        top = None
-        if top_k > 0:
-            values, idx = logp[i].topk(top_k)
-            top = list(zip(idx.tolist(), values.tolist(), strict=True))
-        out.append((tok, float(logp[i, tok]), top))
-    return out
-
-
 # ---- the two response forms -------------------------------------------------------------------
 async def complete(
     served: ServedModel,
@@ -367,7 +364,7 @@ async def complete(
         i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
     }
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
-    logprobs = {i: _start_logprobs(served, req, c) for i, c in enumerate(choices)}
+    logprobs = {i: await _start_logprobs(served, req, c) for i, c in enumerate(choices)}
     async for i, out in run_choices(served, choices):
         texts[i].append(out.text)
         tally.add(out)
@@ -394,15 +391,22 @@ async def complete(
     }
 
 
-def _start_logprobs(
+async def _start_logprobs(
     served: ServedModel, req: CompletionRequest, choice: Choice
 ) -> LegacyLogprobs | None:
     if req.logprobs is None:
         return None
     lp = LegacyLogprobs(served.tokenizer)
-    if req.echo:
-        for tok, value, top in prompt_logprobs(served, choice.prompt_ids, req.logprobs):
-            lp.add(tok, value, top)
+    if req.echo:  # the prompt's own logprobs: model work, in pieces on the engine thread
+        scored = await asyncio.to_thread(
+            model_work.prompt_logprobs,
+            served.model,
+            choice.prompt_ids,
+            req.logprobs,
+            served.worker.run,
+        )
+        for p in scored:
+            lp.add(p.token, p.logprob, p.top)
     return lp
 
 
@@ -431,8 +435,10 @@ async def stream(
         return sse(body)
 
     tally = Tally()
-    logprobs = {i: _start_logprobs(served, req, c) for i, c in enumerate(choices)}
+    logprobs = {}
     try:
+        for i, c in enumerate(choices):
+            logprobs[i] = await _start_logprobs(served, req, c)
         if req.echo:
             for i, c in enumerate(choices):
                 lp = logprobs[i]

@@ -23,6 +23,7 @@ _TYPES = {
     429: "rate_limit_error",
     499: "client_closed_request",
     503: "service_unavailable",
+    507: "insufficient_storage",
 }
 
 

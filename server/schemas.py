@@ -8,12 +8,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.compaction import METHODS
 from engine.compactor import QUERY_SOURCES
+from engine.sessions import SESSION_ID_PATTERN
+from server.request_limits import MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
+
+# Request bodies: strict JSON types, unknown fields ignored, no NaN or infinite numbers.
+STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def session_id_field():  # the one rule (engine.sessions), as a schema pattern
+    return Field(None, pattern=f"^{SESSION_ID_PATTERN}$")
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
@@ -21,7 +31,7 @@ class CompletionRequest(BaseModel):
     """POST /v1/completions. Unknown fields are ignored, as OpenAI-compatible servers do;
     known fields must have the right JSON type (a string is not a number)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
 
     model: str
     prompt: Prompt
@@ -30,7 +40,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -48,7 +58,7 @@ class CompletionRequest(BaseModel):
     threshold: float | None = Field(None, ge=0.0)
     # Extensions for sessions: continue from a session's KV cache, and append this prompt and
     # its completion to it (unless append is false).
-    session_id: str | None = None
+    session_id: str | None = session_id_field()
     append: bool = True
 
     @field_validator("stop")
@@ -61,6 +71,8 @@ class CompletionRequest(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("prompt")
@@ -68,17 +80,19 @@ class CompletionRequest(BaseModel):
     def _prompt_not_empty(cls, v: Prompt) -> Prompt:
         if isinstance(v, list) and (len(v) == 0 or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -94,7 +108,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions (text only)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -104,7 +118,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
@@ -172,9 +186,9 @@ class ErrorResponse(BaseModel):
 
 
 class SessionCreateRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     model: str
-    id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    id: str | None = session_id_field()
     prompt: str | list[int] | None = None
 
 
@@ -182,8 +196,8 @@ class CompactRequest(BaseModel):
     """Compact a session's cache: to `target_tokens` slots, or by `ratio` (slots before /
     slots after, over the compacted region)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-    ratio: float | None = Field(None, ge=1.0)
+    model_config = STRICT
+    ratio: float | None = Field(None, ge=1.5)  # smaller gains are not worth a compaction
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
     method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]

@@ -1,37 +1,59 @@
 """The sessions API: create, inspect, delete, compact; and completions that continue from a
 session's cache.
 
-Model work (prefilling a session's prompt, compacting) runs on the model's engine thread between
-decode steps (`BatchWorker.call`): it shares the model with the requests being decoded.
+Every answer that reports a change comes after the change is on disk (`SessionStore.persist`,
+run on a worker thread: never on the event loop). Model work (prefilling a session's prompt,
+a compaction's query capture) runs in pieces on the model's engine thread between decode steps
+(`BatchWorker.run`); a compaction's fits run on the server's compaction thread, one compaction
+at a time, at most `MAX_WAITING_COMPACTIONS` more waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from engine import model_work
 from engine.compactor import compact_row
+from engine.kv_cache import KVCache
 from engine.served_model import ServedModel
-from engine.sessions import Session, SessionError
+from engine.sessions import Session, SessionError, SessionStore, check_id
+from server.completions import encode
 from server.errors import APIError
 from server.schemas import CompactRequest, SessionCreateRequest
 
 if TYPE_CHECKING:
     from server.app import ServerState
 
+T = TypeVar("T")
+MAX_WAITING_COMPACTIONS = 4
+# A compaction must shrink what it compacts at least this much (smaller gains are not worth a
+# fit, and `ratio` near 1 would ask OMP for almost every key).
+MIN_RATIO = 1.5
 
-def find(state: ServerState, sid: str) -> Session:
+
+def session_error(e: SessionError, param: str = "id") -> APIError:
+    codes = {400: "invalid_session_id", 409: "session_exists", 507: "session_store_full"}
+    return APIError(e.status, str(e), param=param, code=codes.get(e.status))
+
+
+def find(state: ServerState, sid: str, param: str = "session_id") -> Session:
+    try:
+        check_id(sid)
+    except SessionError as e:
+        raise session_error(e, param) from None
     session = state.sessions.get(sid)
     if session is None:
         raise APIError(
-            404, f"session {sid!r} does not exist", param="session_id", code="session_not_found"
+            404, f"session {sid!r} does not exist", param=param, code="session_not_found"
         )
     return session
 
@@ -41,6 +63,13 @@ def model_for(state: ServerState, session: Session) -> ServedModel:
     if served.is_diffusion:
         raise APIError(400, "sessions are for autoregressive models", param="model")
     return served
+
+
+def bytes_per_token(served: ServedModel) -> int:
+    cfg = served.config
+    return KVCache.bytes_per_slot(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, served.model.dtype
+    )
 
 
 @asynccontextmanager
@@ -60,20 +89,104 @@ async def locked(session: Session, wait: float = 10.0) -> AsyncIterator[None]:
         session.lock.release()
 
 
+async def unstoppable(work: Awaitable[T]) -> T:
+    """Finish `work` even if the request is cancelled (a client that goes away must not leave
+    a session half-changed: its lock held, its disk write cut short, the table out of step)."""
+    return await asyncio.shield(asyncio.ensure_future(work))
+
+
+async def persist(store: SessionStore, session: Session) -> None:
+    """Commit the session to disk (hold its lock); 507 if the disk refuses."""
+    try:
+        await asyncio.to_thread(store.persist, session)
+    except OSError as e:
+        raise APIError(
+            507,
+            f"could not store session {session.id!r}: {e.strerror or e}",
+            param="session_id",
+            code="session_store_full",
+        ) from None
+
+
 async def load_cache(state: ServerState, served: ServedModel, session: Session) -> None:
     """Bring a spilled session's cache back into memory (hold its lock)."""
     await asyncio.to_thread(state.sessions.load, session, served.model.device, served.model.dtype)
 
 
+async def spill(store: SessionStore) -> None:
+    await asyncio.to_thread(store.enforce_limit)
+
+
+class Compactions:
+    """The compaction thread, and how many compactions are in it (running or waiting)."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        with self._lock:
+            if self._count > MAX_WAITING_COMPACTIONS:
+                raise APIError(
+                    429,
+                    f"{self._count} compactions are already running or waiting; try again",
+                    headers={"Retry-After": "10"},
+                )
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+
+    async def run(self, fn, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
 def install(app: FastAPI, state: ServerState, errors: dict) -> None:
-    @app.post("/v1/sessions", status_code=201, responses=errors)
+    store = state.sessions
+    wait = state.settings.session_lock_wait
+    links = {
+        "GetSession": {"operationId": "get_session", "parameters": {"sid": "$response.body#/id"}},
+        "CompactSession": {
+            "operationId": "compact_session",
+            "parameters": {"sid": "$response.body#/id"},
+        },
+        "ContinueSession": {
+            "operationId": "create_completion",
+            "requestBody": {
+                "model": "$response.body#/model",
+                "session_id": "$response.body#/id",
+                "prompt": "Q:",
+                "max_tokens": 4,
+            },
+        },
+        "DeleteSession": {
+            "operationId": "delete_session",
+            "parameters": {"sid": "$response.body#/id"},
+        },
+    }
+    session_errors = {**errors, 507: errors[400]}
+
+    @app.post(
+        "/v1/sessions",
+        status_code=201,
+        operation_id="create_session",
+        responses={**session_errors, 201: {"description": "the session", "links": links}},
+    )
     async def create_session(req: SessionCreateRequest):
         served = state.get(req.model)
         if served.is_diffusion:
             raise APIError(400, "sessions are for autoregressive models", param="model")
         ids: list[int] = []
         if req.prompt is not None:
-            ids = served.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            ids = encode(served, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
             if any(not 0 <= t < served.config.vocab_size for t in ids):
                 raise APIError(
                     400, "prompt holds a token id outside the vocabulary", param="prompt"
@@ -86,80 +199,115 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
                     param="prompt",
                 )
         try:
-            session = state.sessions.create(req.model, req.id)
+            store.check_room(len(ids) * bytes_per_token(served))
+            session = store.create(req.model, req.id)
         except SessionError as e:
-            status = 409 if "already exists" in str(e) else 400
-            raise APIError(status, str(e), param="id") from None
-        if ids:
-            async with locked(session, state.settings.session_lock_wait):
-                session.cache = await served.worker.call(lambda: prefill(served, ids))
-                session.tokens = ids
-                await asyncio.to_thread(state.sessions.persist, session)
-        state.sessions.enforce_limit()
+            raise session_error(e) from None
+
+        async def build() -> None:
+            try:
+                async with locked(session, wait):
+                    if ids:
+                        cache = await asyncio.to_thread(
+                            model_work.prefill, served.model, ids, served.worker.run
+                        )
+                        session.rewrite(cache, ids)
+                    await persist(store, session)
+            except BaseException:
+                if session.version is None:  # never committed: as if it had never been
+                    store.forget(session)
+                    await asyncio.to_thread(store.delete, session)
+                raise
+            await spill(store)
+
+        await unstoppable(build())
         return JSONResponse(session.describe(), status_code=201)
 
-    @app.get("/v1/sessions/{sid}", responses=errors)
+    @app.get("/v1/sessions", operation_id="list_sessions", responses=errors)
+    async def list_sessions():
+        return {"object": "list", "data": [s.describe() for s in store.all()]}
+
+    @app.get("/v1/sessions/{sid}", operation_id="get_session", responses=errors)
     async def get_session(sid: str):
         return find(state, sid).describe()
 
-    @app.delete("/v1/sessions/{sid}", responses=errors)
+    @app.delete("/v1/sessions/{sid}", operation_id="delete_session", responses=errors)
     async def delete_session(sid: str):
         session = find(state, sid)
-        async with locked(session, state.settings.session_lock_wait):
-            state.sessions.delete(sid)
+
+        async def remove() -> None:
+            async with locked(session, wait):
+                await asyncio.to_thread(store.delete, session)
+
+        await unstoppable(remove())
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
-    @app.post("/v1/sessions/{sid}/compact", responses=errors)
+    @app.post(
+        "/v1/sessions/{sid}/compact", operation_id="compact_session", responses=session_errors
+    )
     async def compact_session(sid: str, req: CompactRequest):
         session = find(state, sid)
         served = model_for(state, session)
         if (req.ratio is None) == (req.target_tokens is None):
             raise APIError(400, "give exactly one of ratio and target_tokens", param="ratio")
-        async with locked(session, state.settings.session_lock_wait):
-            await load_cache(state, served, session)
-            cache = session.cache
-            if cache is None or cache.lengths[0] == 0:
-                raise APIError(400, "the session's cache is empty", param="session_id")
-            region = cache.lengths[0] - req.keep_recent
-            if region < 1:
-                raise APIError(
-                    400,
-                    f"keep_recent={req.keep_recent} leaves nothing of the "
-                    f"{cache.lengths[0]} cached tokens to compact",
-                    param="keep_recent",
-                )
-            target = req.target_tokens or max(1, math.ceil(region / req.ratio))
-            if target > region:
-                raise APIError(
-                    400,
-                    f"target_tokens={target} is larger than the {region} tokens to compact",
-                    param="target_tokens",
-                )
-            history = list(session.tokens)
-            report = await served.worker.call(
-                lambda: compact_row(
-                    served.model,
-                    served.tokenizer,
-                    cache,
-                    0,
-                    history,
-                    target,
-                    req.method,
-                    req.query_source,
-                    req.keep_recent,
-                )
-            )
-            body = report.to_dict()
-            session.compactions.append(body)
-            await asyncio.to_thread(state.sessions.persist, session)
-        state.metrics.compaction_seconds.labels(req.method).observe(report.seconds["total"])
-        state.metrics.compaction_ratio.labels(req.method).observe(report.ratio)
+        async with state.compactions.slot():
+            body = await unstoppable(_compact(state, served, session, req))
         return {"id": sid, "object": "session.compaction", **body, "session": session.describe()}
 
 
-@torch.no_grad()
-def prefill(served: ServedModel, ids: list[int]):
-    """A fresh batch-1 cache holding `ids` (runs on the engine thread)."""
-    cache = served.model.new_cache(1, len(ids) + 64)
-    served.model(torch.tensor([ids], device=served.model.device), cache=cache)
-    return cache
+async def _compact(
+    state: ServerState, served: ServedModel, session: Session, req: CompactRequest
+) -> dict:
+    async with locked(session, state.settings.session_lock_wait):
+        await load_cache(state, served, session)
+        cache = session.cache
+        if cache is None or cache.lengths[0] == 0:
+            raise APIError(400, "the session's cache is empty", param="session_id")
+        region = cache.lengths[0] - req.keep_recent
+        if region < 2:
+            raise APIError(
+                400,
+                f"keep_recent={req.keep_recent} leaves too little of the "
+                f"{cache.lengths[0]} cached tokens to compact",
+                param="keep_recent",
+            )
+        if req.target_tokens is not None:
+            target = req.target_tokens
+            if target * MIN_RATIO > region:
+                raise APIError(
+                    400,
+                    f"target_tokens={target} must be at most 1/{MIN_RATIO} of the {region} "
+                    "tokens to compact",
+                    param="target_tokens",
+                )
+        else:  # ratio >= MIN_RATIO (the schema says so)
+            target = max(1, math.ceil(region / req.ratio))
+            if target >= region:
+                raise APIError(
+                    400, f"ratio={req.ratio} leaves the {region} tokens as they are", param="ratio"
+                )
+        history = list(session.tokens)
+        try:
+            report = await state.compactions.run(
+                compact_row,
+                served.model,
+                served.tokenizer,
+                cache,
+                0,
+                history,
+                target,
+                req.method,
+                req.query_source,
+                req.keep_recent,
+                on_engine=served.worker.run,
+                omp_budget=state.settings.compaction_omp_budget,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        body = report.to_dict()
+        session.compactions.append(body)
+        session.rewrite(cache)
+        await persist(state.sessions, session)
+    state.metrics.compaction_seconds.labels(req.method).observe(report.seconds["total"])
+    state.metrics.compaction_ratio.labels(req.method).observe(report.ratio)
+    return body

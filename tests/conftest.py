@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,11 +41,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def users_sessions_untouched():
+    """No test writes into the user's real session store (servers get a temporary one)."""
+    from models.fetch import serve_home
+
+    real = serve_home() / "sessions"
+    before = _listing(real)
+    yield
+    assert _listing(real) == before, f"tests changed {real}"
+
+
 @contextmanager
 def running_server(
     *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> Iterator[str]:
-    """Start `cdlm-serve serve ARGS` on a free port; yield its base URL once /health is 200."""
+    """Start `cdlm-serve serve ARGS` on a free port; yield its base URL once /health is 200.
+    Without --sessions-dir, the server's sessions go to a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="cdlm-sessions-") as scratch:
+        if "--sessions-dir" not in args:
+            args = (*args, "--sessions-dir", scratch)
+        with _server_process(args, env, timeout) as base:
+            yield base
+
+
+@contextmanager
+def _server_process(
+    args: tuple[str, ...], env: dict[str, str] | None, timeout: float
+) -> Iterator[str]:
     port = free_port()
     cmd = [
         sys.executable,

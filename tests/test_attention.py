@@ -189,3 +189,38 @@ def test_uncommitted_passes_leave_no_trace(llama_pair):
     assert a.lengths == b.lengths == [16]
     for layer in range(ours.config.num_layers):
         assert torch.equal(a.keys[layer][:, :, :16], b.keys[layer][:, :, :16])
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, biased):
+    """A long forward over a cache (a re-compaction's repeat pass, say) never hands SDPA a
+    mask or score matrix over all [B, H, Q, K] at once, and computes the same thing."""
+    import torch.nn.functional as F
+
+    from models import transformer
+
+    _, model = llama_pair
+    ids = _ids(40)
+    cache = model.new_cache(1, 128)
+    with torch.no_grad():
+        model(ids[:, :30], cache=cache)
+        if biased:  # compacted slots carry a bias: the mask becomes float and per head
+            cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
+            for bias in cache.biases:
+                bias[0, :, :30] = torch.linspace(-2, 1, 30)
+        whole = model(ids[:, 30:], cache=cache, commit=False)
+        budget = 4 * 2 * 4 * 40  # 4 query rows x 4 heads x 40 keys (x 2 for headroom)
+        monkeypatch.setattr(transformer, "ATTENTION_CHUNK_ELEMENTS", budget)
+        seen: list[int] = []
+        sdpa = F.scaled_dot_product_attention
+
+        def spy(q, k, v, attn_mask=None, **kw):
+            seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+            if attn_mask is not None:
+                seen.append(attn_mask.numel())
+            return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        chunked = model(ids[:, 30:], cache=cache, commit=False)
+    assert len(seen) > 2 * len(model.layers) and max(seen) <= budget
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)

@@ -223,3 +223,68 @@ def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
     for a, b in zip(segments["repeat"][0], segments["on-policy"][0], strict=True):
         torch.testing.assert_close(a, b)
     assert not torch.allclose(segments["repeat"][1][2], segments["on-policy"][1][2], atol=1e-4)
+
+
+def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
+    """Every forward of a compaction goes through on_engine (the server runs those pieces on
+    the engine thread between decode steps), each piece runs at most one layer's attention,
+    and the fits run outside them."""
+    from engine.compactor import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    inside = {"now": False, "attends": 0, "most": 0}
+
+    def on_engine(fn):
+        inside["now"], inside["attends"] = True, 0
+        try:
+            return fn()
+        finally:
+            inside["now"] = False
+            inside["most"] = max(inside["most"], inside["attends"])
+
+    def guard(module, args):
+        assert inside["now"] or not inside.get("armed"), "the model ran outside engine work"
+
+    def count(module, args):
+        inside["attends"] += 1
+
+    hooks = [block.attn.qkv_proj.register_forward_pre_hook(guard) for block in model.layers]
+    hooks += [block.attn.o_proj.register_forward_pre_hook(count) for block in model.layers]
+    try:
+        for source in ("repeat", "context", "repeat+self-study", "on-policy"):
+            cache = _prefilled(model, ids)
+            inside["armed"], inside["most"] = True, 0
+            report = compact_row(
+                model, tok, cache, 0, ids, 20, "am-highest", source, 8, on_engine=on_engine
+            )
+            inside["armed"] = False
+            assert cache.lengths == [28] and report.engine_jobs > model.config.num_layers
+            if "self-study" not in source:  # a self-study token is one whole small forward
+                assert inside["most"] == 1, source
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
+    from engine.compaction import HeadInputs, OmpBudget, omp
+
+    gen = torch.Generator().manual_seed(0)
+    h = HeadInputs(
+        torch.randn(64, 8, generator=gen),
+        torch.randn(64, 8, generator=gen),
+        torch.randn(32, 8, generator=gen),
+        8**-0.5,
+    )
+    assert len(omp(h, 16, budget=OmpBudget.starting_now(60))) == 16
+    spent = OmpBudget(fast_after=0.0, stop_after=float("inf"), layer=3)
+    assert len(omp(h, 16, budget=spent)) == 16 and spent.fast_from == 3
+    assert spent.describe() == "OMP time budget used up: am-omp-fast from layer 3"
+    gone = OmpBudget(fast_after=0.0, stop_after=0.0, layer=5)
+    index = omp(h, 16, budget=gone)
+    assert len(set(index.tolist())) == 16 and gone.stop_from == 5
+    # Out of time from the start: the keys are the highest-attention ones.
+    from engine.compaction import highest_attention
+
+    assert torch.equal(index, highest_attention(h, 16))

@@ -258,3 +258,43 @@ def test_long_requests_joining_mid_answer_fit_the_cache(engine, decoding):
         if not engine.has_work():
             break
     assert [got[f"r{i}"] for i in range(3)] == alone
+
+
+def test_a_full_mode_does_not_hold_back_other_modes(engine):
+    """max_batch rows per mode: a request of a mode with room starts at once, even behind one
+    that waits for its full mode (no head-of-line blocking)."""
+    engine.max_batch = 1
+    try:
+        params = {"max_tokens": 16, "block_size": 8, "ignore_eos": True}
+        first = engine.new_sequence("a", _prompt(5), DLMParams(decoding="cdlm", **params))
+        second = engine.new_sequence("b", _prompt(5, 1), DLMParams(decoding="cdlm", **params))
+        other = engine.new_sequence("c", _prompt(5, 2), DLMParams(decoding="vanilla", **params))
+        for seq in (first, second, other):
+            engine.add(seq)
+        engine.step()
+        assert engine.running["cdlm"] == [first] and engine.running["vanilla"] == [other]
+        assert engine.waiting == [second]
+        while engine.has_work():
+            engine.step()
+        assert {s.finish_reason for s in (first, second, other)} == {"length"}
+    finally:
+        engine.max_batch = 8
+
+
+@pytest.mark.parametrize("decoding", ["cdlm", "vanilla"])
+def test_a_stop_string_mid_block_counts_only_what_was_returned(engine, decoding):
+    tok = engine.tokenizer
+    params = {"max_tokens": 32, "block_size": 16, "decoding": decoding, "ignore_eos": True}
+    for seed in range(20):
+        ids, _, _, _, _ = _run(engine, _prompt(7, seed), **params)
+        # A printable character first completed by a token in the middle of a block.
+        for k in range(1, len(ids)):
+            char = tok.decode(ids[: k + 1], skip_special_tokens=True)[-1:]
+            before = tok.decode(ids[:k], skip_special_tokens=True)
+            if k % 16 in (0, 15) or not char.isalnum() or char in before:
+                continue
+            got_ids, got_text, reason, _, _ = _run(engine, _prompt(7, seed), **params, stop=[char])
+            assert reason == "stop" and got_text == before
+            assert got_ids == ids[: k + 1]  # not the whole 16-token block
+            return
+    pytest.skip("no usable stop character in 20 random answers")

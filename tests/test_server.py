@@ -154,7 +154,7 @@ def test_openai_client(base):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=0)
 
 
-def test_health_is_503_while_models_load():
+def test_health_is_503_while_models_load(tmp_path):
     import uvicorn
 
     from server.app import ModelSpec, ServerSettings, create_app
@@ -165,7 +165,9 @@ def test_health_is_503_while_models_load():
         release.wait(30)
         state.ready.set()
 
-    settings = ServerSettings([ModelSpec("x", "x")], torch.device("cpu"), torch.float32)
+    settings = ServerSettings(
+        [ModelSpec("x", "x")], torch.device("cpu"), torch.float32, sessions_dir=tmp_path
+    )
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(

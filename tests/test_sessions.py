@@ -202,3 +202,23 @@ def test_busy_session_answers_409_and_concurrent_use_stays_consistent(base):
         json.loads(r.text)["session"]["logical_length"]
         == httpx.get(f"{base}/v1/sessions/busy").json()["logical_length"]
     )
+
+
+def test_an_answered_append_is_already_on_disk(base, store):
+    """What a client is told has happened is on disk when it is told: the answer (or the
+    stream's [DONE]) comes after the session's new version is committed."""
+    httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "disk", "prompt": CONTEXT})
+
+    def on_disk() -> int:
+        return len(json.loads((store / "disk" / "meta.json").read_text())["tokens"])
+
+    n = on_disk()
+    r = _complete(base, prompt="Q:", session_id="disk")
+    grown = n + 2 + r.json()["usage"]["completion_tokens"] - 1  # the last token is pending
+    assert on_disk() == grown == httpx.get(f"{base}/v1/sessions/disk").json()["tokens"] - 1
+    body = {"model": "tiny", "prompt": "R:", "max_tokens": 5, "temperature": 0}
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json={**body, "session_id": "disk", "stream": True}
+    ) as stream:
+        at_done = [on_disk() for line in stream.iter_lines() if line == "data: [DONE]"]
+    assert at_done and at_done[0] > grown  # read the moment [DONE] arrived

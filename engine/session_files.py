@@ -1,0 +1,287 @@
+"""A session on disk: versioned files, so that a crash at any moment leaves one complete version.
+
+One folder per session, named by its id (ids are checked by `engine.sessions.check_id`, and
+every path is checked to lie inside the store's root before it is touched):
+
+    <root>/<id>/meta.json               the committed version: token history, pending token,
+                                        compactions, and the KV segments that hold its cache
+    <root>/<id>/kv-<generation>.safetensors
+                                        immutable segments: slots [start, end) of every layer's
+                                        keys and values (and biases, once compacted)
+
+A write (`write_version`) adds new segment files (each written to a temporary name, fsynced and
+renamed), then writes meta.json the same way, then fsyncs the folder; only after that are the
+segments the new version no longer names removed. The rename of meta.json is the commit point:
+a crash before it leaves the old version whole (the new segment files are orphans), a crash
+after it the new one. Appending to a session (a completion with `append`) writes only the new
+slots as one more segment; a compaction, which changes every slot, writes one segment for all.
+Start-up (`recover`) finishes what a crash interrupted: it removes temporary files and orphaned
+segments, and a folder that never got its first meta.json (a create that was never answered).
+
+Deleting renames the folder to `.trash-<id>-<random>` (the commit point; ids never start with a
+dot, so it cannot clash with a session), fsyncs the root, then removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.kv_cache import KVCache
+from models.fetch import fsync_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2
+META = "meta.json"
+TRASH_PREFIX = ".trash-"
+MAX_SEGMENTS = 16  # past this many appends, the next write merges them into one file
+
+
+class CorruptSession(ValueError):
+    """A committed session whose files do not match its meta.json (never written by us: the
+    disk or a person changed them)."""
+
+
+@dataclass(slots=True)
+class Segment:
+    file: str  # name inside the session's folder
+    start: int  # physical slots [start, end)
+    end: int
+    bytes: int  # file size, checked at start-up
+
+
+@dataclass(slots=True)
+class Version:
+    """What meta.json says: everything about a session but its tensors."""
+
+    id: str
+    model: str
+    tokens: list[int]
+    pending: int | None
+    compactions: list[dict[str, Any]]
+    created: float
+    length: int  # physical slots of the cache (0: no cache yet)
+    logical: int  # logical length of the cache (RoPE position of the next token)
+    generation: int
+    segments: list[Segment]
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(s.bytes for s in self.segments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Version:
+        segments = [Segment(**s) for s in obj["segments"]]
+        return cls(
+            id=str(obj["id"]),
+            model=str(obj["model"]),
+            tokens=[int(t) for t in obj["tokens"]],
+            pending=None if obj.get("pending") is None else int(obj["pending"]),
+            compactions=list(obj.get("compactions", [])),
+            created=float(obj["created"]),
+            length=int(obj["length"]),
+            logical=int(obj["logical"]),
+            generation=int(obj["generation"]),
+            segments=segments,
+        )
+
+
+# ---- low-level atomic writes -------------------------------------------------------------------
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    tmp = _tmp_name(path)
+    try:
+        with tmp.open("w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_segment(cache: KVCache, start: int, end: int, path: Path) -> Segment:
+    """Slots [start, end) of row 0 of `cache`, every layer, into one safetensors file."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(cache.num_layers):
+        keys, values, bias = cache.read(0, layer)  # [Hkv, n, D], [Hkv, n]
+        tensors[f"k.{layer}"] = keys[:, start:end].contiguous().cpu()
+        tensors[f"v.{layer}"] = values[:, start:end].contiguous().cpu()
+        if bias is not None:
+            tensors[f"b.{layer}"] = bias[:, start:end].contiguous().cpu()
+    tmp = _tmp_name(path)
+    try:
+        save_file(tensors, str(tmp), metadata={"start": str(start), "end": str(end)})
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return Segment(path.name, start, end, path.stat().st_size)
+
+
+# ---- versions ----------------------------------------------------------------------------------
+def write_version(
+    folder: Path, version: Version, cache: KVCache | None, keep_slots: int
+) -> Version:
+    """Commit `version` (its tokens and metadata; `segments` and `generation` are filled in
+    here) with the cache's slots: the first `keep_slots` are already on disk in `version`'s
+    current segments and unchanged, the rest are written as a new segment. Returns the
+    committed version. The caller holds the session's lock."""
+    new_folder = not folder.exists()
+    if new_folder:
+        folder.mkdir()
+        fsync_dir(folder.parent)
+    generation = version.generation + 1
+    length = 0 if cache is None else cache.lengths[0]
+    segments = list(version.segments)
+    if cache is not None:
+        if keep_slots > length or keep_slots != sum(s.end - s.start for s in segments):
+            keep_slots = 0  # not a pure append: write everything
+        if keep_slots == 0 or len(segments) >= MAX_SEGMENTS:
+            segments, keep_slots = [], 0
+        if length > keep_slots:
+            path = folder / f"kv-{generation}.safetensors"
+            segments.append(_write_segment(cache, keep_slots, length, path))
+    else:
+        segments = []
+    committed = Version(
+        id=version.id,
+        model=version.model,
+        tokens=list(version.tokens),
+        pending=version.pending,
+        compactions=list(version.compactions),
+        created=version.created,
+        length=length,
+        logical=0 if cache is None else cache.logical[0],
+        generation=generation,
+        segments=segments,
+    )
+    _write_json(committed.to_json(), folder / META)
+    fsync_dir(folder)
+    _remove_unreferenced(folder, committed)
+    return committed
+
+
+def read_version(folder: Path) -> Version:
+    """The committed version of a session folder; CorruptSession if its files disagree."""
+    try:
+        obj = json.loads((folder / META).read_text())
+        if obj.get("format") != FORMAT:
+            raise CorruptSession(f"unknown session format {obj.get('format')!r}")
+        version = Version.from_json(obj)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptSession(f"{folder / META}: {e}") from None
+    if version.id != folder.name:
+        raise CorruptSession(f"{folder} holds session {version.id!r}")
+    covered = 0
+    for seg in version.segments:
+        path = folder / seg.file
+        if seg.start != covered or not path.is_file() or path.stat().st_size != seg.bytes:
+            raise CorruptSession(f"{path} is missing or does not match {META}")
+        covered = seg.end
+    if covered != version.length:
+        raise CorruptSession(f"{folder}: segments cover {covered} of {version.length} slots")
+    return version
+
+
+def read_cache(
+    folder: Path, version: Version, device: torch.device, dtype: torch.dtype
+) -> KVCache | None:
+    """The session's cache, its segments concatenated (None if it has none)."""
+    if not version.segments:
+        return None
+    parts: list[dict[str, torch.Tensor]] = []
+    for seg in version.segments:
+        with safe_open(str(folder / seg.file), framework="pt") as f:
+            parts.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    layers = sum(1 for name in parts[0] if name.startswith("k."))
+    n = version.length
+    capacity = max(64, n * 2)
+    has_bias = any("b.0" in p for p in parts)
+
+    def join(prefix: str, layer: int, dt: torch.dtype) -> torch.Tensor:
+        pieces = []
+        for part in parts:
+            if f"{prefix}.{layer}" in part:
+                pieces.append(part[f"{prefix}.{layer}"])
+            else:  # a segment written before the first compaction: no bias there
+                keys = part[f"k.{layer}"]
+                pieces.append(torch.zeros(keys.shape[:2], dtype=torch.float32))
+        whole = torch.cat(pieces, dim=1)  # [Hkv, n, ...]
+        out = torch.zeros(1, whole.shape[0], capacity, *whole.shape[2:], device=device, dtype=dt)
+        out[0, :, :n] = whole.to(device=device, dtype=dt)
+        return out
+
+    keys = [join("k", i, dtype) for i in range(layers)]
+    values = [join("v", i, dtype) for i in range(layers)]
+    biases = [join("b", i, torch.float32) for i in range(layers)] if has_bias else None
+    return KVCache(keys, values, [n], [version.logical], biases)
+
+
+def _remove_unreferenced(folder: Path, version: Version) -> None:
+    """Segment and temporary files the committed version does not name."""
+    keep = {META, *(s.file for s in version.segments)}
+    for path in folder.iterdir():
+        if path.name not in keep and (path.suffix in (".safetensors", ".tmp")):
+            path.unlink(missing_ok=True)
+
+
+# ---- whole folders -----------------------------------------------------------------------------
+def recover(folder: Path) -> Version | None:
+    """Finish what a crash interrupted in one session folder: the committed version (orphans
+    and temporary files removed), or None for a folder whose first version was never
+    committed (removed). CorruptSession for a committed version whose files are damaged; that
+    folder is left as it is, for a person to look at."""
+    if not (folder / META).exists():
+        unknown = [
+            p.name
+            for p in folder.iterdir()
+            if not p.name.endswith(".tmp")
+            and not (p.name.startswith("kv-") and p.suffix == ".safetensors")
+        ]
+        if unknown:
+            raise CorruptSession(f"{folder} has no {META} but holds {unknown[:3]}")
+        shutil.rmtree(folder)
+        return None
+    version = read_version(folder)
+    _remove_unreferenced(folder, version)
+    return version
+
+
+def trash(folder: Path) -> None:
+    """Delete a session folder: one rename (the commit point), then the removal."""
+    if not folder.exists():
+        return
+    doomed = folder.with_name(f"{TRASH_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}")
+    os.replace(folder, doomed)
+    fsync_dir(folder.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def empty_trash(root: Path) -> None:
+    for doomed in root.glob(f"{TRASH_PREFIX}*"):
+        shutil.rmtree(doomed, ignore_errors=True)
