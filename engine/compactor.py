@@ -19,12 +19,12 @@
    later tokens keep their RoPE positions.
 
 Bounded pieces of work. Everything that runs the model goes through `on_engine(fn)`, one piece
-at a time: the long forwards run one layer per piece (`Transformer.forward_stages`), the
-self-study generation one token per piece. The server passes a function that runs each piece on
-the model's engine thread between two decode steps and runs everything else (the fits, which
-are most of the time) on a compaction thread of its own, so a compaction holds the engine for at
-most one layer of one forward at a time (`CompactionReport.engine_seconds_max`). Layers are
-fitted as their queries arrive, so only one layer's queries are held at once. OMP's key
+at a time: the long forwards run one query chunk of one layer's attention per piece
+(`Transformer.forward_stages`), the self-study generation one token per piece. The server passes
+a function that runs each piece on the model's engine thread between two decode steps and runs
+everything else (the fits, which are most of the time) on a compaction thread of its own, so a
+compaction holds the engine for one such piece at a time (`CompactionReport.engine_seconds_max`).
+Layers are fitted as their queries arrive, so only one layer's queries are held at once. OMP's key
 selection has a wall-time budget (`OmpBudget`) past which it continues as its fast variant,
 then takes the remaining keys by attention; the report says so.
 """
@@ -109,16 +109,18 @@ class _Engine:
         return self.on_engine(timed)
 
     def layers(self, stages) -> Iterator[Tensor]:
-        """Advance a staged forward one layer per piece; its queries [H, n, D] fp32 (row 0),
-        layer by layer."""
+        """Advance a staged forward one piece at a time (`Transformer.forward_stages`); its
+        queries [H, n, D] fp32 (row 0), layer by layer."""
         done = object()
         while (q := self(lambda: next(stages, done))) is not done:
-            yield q[0].float()
+            if q is not None:  # None: a pause inside a layer's attention
+                yield q[0].float()
 
 
 def _stages(model: Transformer, ids: list[int], cache: KVCache | None = None, row: int = 0):
     """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
-    a cache row (attending to its real slots, committing nothing)."""
+    a cache row (attending to its real slots, committing nothing). Nothing runs the model yet
+    (the cache, locked by the caller and used by no one else, grows here, off the engine)."""
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
         return model.forward_stages(tokens)
@@ -171,11 +173,11 @@ def reference_queries(
     engine = on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine)
     streams: list[Iterator[Tensor]] = []
     if source == "context":
-        streams.append(engine.layers(engine(lambda: _stages(model, context_ids))))
+        streams.append(engine.layers(_stages(model, context_ids)))
     if "repeat" in source:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        streams.append(engine.layers(engine(lambda: _stages(model, ids, cache, row))))
+        streams.append(engine.layers(_stages(model, ids, cache, row)))
     if "self-study" in source:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):
@@ -348,7 +350,7 @@ def _on_policy(
     if work.biases is None:
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
-    stages = engine(lambda: _stages(model, ids, work, 0))
+    stages = _stages(model, ids, work, 0)
     for layer, q in enumerate(engine.layers(stages)):
         _splice(work, layer, fit(layer, q), fit.region)
     return len(ids)

@@ -77,11 +77,15 @@ class Session:
     compactions: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Serializes writes of this session: a write whose request was cancelled may still be
+    # running on its thread when the next one starts.
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
     # What is on disk: the committed version, and how many leading slots of `cache` it holds
     # unchanged (an append writes only the slots after them).
     version: Version | None = None
     disk_slots: int = 0
     dirty: bool = True  # the session differs from its committed version
+    deleted: bool = False  # removed from the store: never written again
 
     @property
     def logical_length(self) -> int:
@@ -226,6 +230,7 @@ class SessionStore:
                 del self._sessions[session.id]
             if session.version is not None:
                 self._disk_bytes -= session.version.disk_bytes
+        session.deleted = True
         session_files.trash(self.folder(session.id))
         session.version = None
 
@@ -257,23 +262,21 @@ class SessionStore:
 
     def enforce_limit(self) -> None:
         """Drop least recently used idle caches from memory until they fit the bound (each is
-        on disk first). Blocking I/O: not for the event loop."""
-        while self.memory_bytes() > self.max_bytes:
-            with self._lock:
-                victims = [
-                    s
-                    for s in self._sessions.values()
-                    if s.cache is not None and not s.lock.locked()
-                ]
-            if not victims:
+        on disk first; one the disk refuses stays in memory). Blocking I/O: not for the event
+        loop."""
+        with self._lock:
+            candidates = [s for s in self._sessions.values() if s.cache is not None]
+        for victim in candidates:  # least recently used first
+            if self.memory_bytes() <= self.max_bytes:
                 return
-            victim = victims[0]
             if not victim.lock.acquire(blocking=False):
-                continue
+                continue  # in use
             try:
                 self.persist(victim)
                 victim.cache = None
                 log.info("spilled session %s to disk", victim.id)
+            except OSError as e:
+                log.warning("could not spill session %s: %s", victim.id, e)
             finally:
                 victim.lock.release()
 
@@ -289,7 +292,11 @@ class SessionStore:
 
     def persist(self, session: Session) -> None:
         """Commit the session's current state to disk, if it changed (hold its lock)."""
-        if not session.dirty:
+        with session.io_lock:
+            self._persist(session)
+
+    def _persist(self, session: Session) -> None:
+        if not session.dirty or session.deleted:
             return
         if session.cache is None and session.tokens and session.version is not None:
             return  # spilled: what is on disk is what there is

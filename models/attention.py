@@ -82,8 +82,10 @@ class AttentionPattern:
 class AttentionMask:
     """What every layer's SDPA call needs for one forward.
 
-    `visible` is None when every key in range is visible to every query (then `is_causal` may
-    ask SDPA for its own causal mask), else bool [B or 1, 1, Q, K].
+    `visible` is None when every key in range is visible to every query, or when `is_causal`
+    says the rule instead: query i of Q sees keys up to K - Q + i (causal, aligned to the end:
+    the cached slots, then the new tokens causally; SDPA's own causal flag when K == Q). Else
+    `visible` is bool [B or 1, 1, Q, K].
     """
 
     visible: Tensor | None
@@ -163,7 +165,7 @@ def _uniform_fast_path(
     if pattern.kind == "bidirectional" or q_len == 1:
         # A single query (decode) sees every cached slot and itself under every pattern.
         return AttentionMask(None, False, key_len)
-    if pattern.kind == "causal" and cached == 0:
+    if pattern.kind == "causal":  # no [Q, K] mask: chunks of it are made where needed
         return AttentionMask(None, True, key_len)
     if (
         pattern.kind == "block_causal"

@@ -23,6 +23,8 @@ from models.rope import RotaryTable, inverse_frequencies
 # Attention with an explicit mask runs in query chunks whose [B, H, chunk, K] mask and scores
 # stay under this many elements (64 MB in fp32), however long the sequence and the cache.
 ATTENTION_CHUNK_ELEMENTS = 1 << 24
+# A staged forward (`Transformer.forward_stages`) runs its MLPs this many tokens per piece.
+STAGE_MLP_TOKENS = 1024
 
 
 class Linear(nn.Linear):
@@ -104,46 +106,82 @@ class Attention(nn.Module):
     ) -> Tensor:
         """The new tokens' q [B, H, Q, D] and k, v [B, Hkv, Q, D] (written to the cache first,
         when there is one) -> attention output through o_proj, [B, Q, hidden]."""
-        batch, h, q_len, d = q.shape
-        bias = None
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # [B, Hkv, K, D] committed slots + these tokens
-            bias = cache.key_bias(layer, mask.key_len)
-        out = self._sdpa(q, k, v, mask, bias)  # [B, H, Q, D]
+        k, v, bias = self._keys(k, v, mask, cache, layer)
+        aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
+        if bias is None and mask.visible is None and aligned:  # SDPA's own kernels, no mask
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
+            )
+        else:
+            chunks = self._query_chunks(q, k)
+            out = torch.cat([self._sdpa_rows(q, k, v, mask, bias, *c) for c in chunks], dim=2)
+        return self._output(out)
+
+    def attend_in_pieces(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+    ) -> Generator[None, None, Tensor]:
+        """attend(), always in query chunks, pausing (yielding None) between them: a long
+        forward's attention becomes pieces of bounded work."""
+        k, v, bias = self._keys(k, v, mask, cache, layer)
+        outs = []
+        for chunk in self._query_chunks(q, k):
+            if outs:
+                yield None
+            outs.append(self._sdpa_rows(q, k, v, mask, bias, *chunk))
+        return self._output(torch.cat(outs, dim=2))
+
+    @property
+    def _gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    def _keys(
+        self, k: Tensor, v: Tensor, mask: AttentionMask, cache: KVCache | None, layer: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Keys and values to attend to, [B, Hkv, K, D], and their bias [B, Hkv, K] or None."""
+        if cache is None:
+            return k, v, None
+        k, v = cache.write(layer, k, v)  # committed slots + these tokens
+        return k, v, cache.key_bias(layer, mask.key_len)
+
+    def _output(self, out: Tensor) -> Tensor:
+        batch, h, q_len, d = out.shape  # [B, H, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d))
 
-    def _sdpa(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, bias: Tensor | None
-    ) -> Tensor:
-        """SDPA, in query chunks where a mask would otherwise be dense over [B, H, Q, K]: a
-        per-key bias (compacted slots) or an explicit visibility mask makes SDPA build a
-        float mask and score matrix of that size, gigabytes for a long sequence over a long
-        cache. Each chunk's mask and scores stay under ATTENTION_CHUNK_ELEMENTS."""
+    @staticmethod
+    def _query_chunks(q: Tensor, k: Tensor) -> list[tuple[int, int]]:
+        """Query rows [start, stop) whose [B, H, rows, K] mask and scores stay under
+        ATTENTION_CHUNK_ELEMENTS: an explicit mask (a per-key bias on compacted slots, or a
+        visibility mask) would otherwise make SDPA build a float mask and a score matrix over
+        all of [B, H, Q, K], gigabytes for a long sequence over a long cache."""
         batch, h, q_len, _ = q.shape
-        key_len, gqa = k.shape[2], h != self.num_kv_heads
-        if bias is None and mask.visible is None:  # no explicit mask: SDPA's own kernels
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=gqa
-            )
-        rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * h * key_len))
-        outs = []
-        for start in range(0, q_len, rows):
-            stop = min(q_len, start + rows)
-            part = mask.rows(start, stop, q_len, q.device)
-            attn_mask = part.visible
-            if bias is not None:
-                attn_mask = with_key_bias(part, bias, stop - start, h, q.dtype)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:stop],
-                    k,
-                    v,
-                    attn_mask=attn_mask,
-                    scale=self.scale,
-                    enable_gqa=gqa,
-                )
-            )
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * h * k.shape[2]))
+        return [(start, min(q_len, start + rows)) for start in range(0, q_len, rows)]
+
+    def _sdpa_rows(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        bias: Tensor | None,
+        start: int,
+        stop: int,
+    ) -> Tensor:
+        """SDPA of query rows [start, stop) -> [B, H, stop - start, D]."""
+        h, q_len = q.shape[1], q.shape[2]
+        part = mask.rows(start, stop, q_len, q.device)
+        attn_mask = part.visible
+        if bias is not None:
+            attn_mask = with_key_bias(part, bias, stop - start, h, q.dtype)
+        return F.scaled_dot_product_attention(
+            q[:, :, start:stop], k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=self._gqa
+        )
 
 
 class MLP(nn.Module):
@@ -177,14 +215,20 @@ class Block(nn.Module):
 
     def stages(
         self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer
-    ) -> Generator[Tensor, None, tuple[Tensor, Tensor]]:
-        """forward() in two parts: yields the post-RoPE queries [B, H, Q, D] before attending
-        (the caller may change this layer's cache slots meanwhile), then finishes."""
+    ) -> Generator[Tensor | None, None, tuple[Tensor, Tensor]]:
+        """forward() in pieces: yields the post-RoPE queries [B, H, Q, D] before attending
+        (the caller may change this layer's cache slots meanwhile), then None between the
+        query chunks of its attention and the token chunks of its MLP, then finishes."""
         h, residual = self._attention_input(x, residual)
         q, k, v = self.attn.project(h, cos, sin)
         yield q
-        h = self.attn.attend(q, k, v, mask, cache, layer)
-        return self._after_attention(h, residual)
+        h = yield from self.attn.attend_in_pieces(q, k, v, mask, cache, layer)
+        h, residual = self.mlp_norm.add_forward(h, residual)
+        outs = []
+        for start in range(0, h.shape[1], STAGE_MLP_TOKENS):  # per token: any split is exact
+            yield None
+            outs.append(self.mlp(h[:, start : start + STAGE_MLP_TOKENS]))
+        return torch.cat(outs, dim=1), residual
 
     def _attention_input(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         if residual is None:
@@ -298,12 +342,14 @@ class Transformer(nn.Module):
         *,
         cache: KVCache | None = None,
         commit: bool | int | Sequence[int] = True,
-    ) -> Generator[Tensor, None, Tensor]:
-        """forward() one layer at a time, always on the PyTorch path: yields each layer's
-        post-RoPE queries [B, H, Q, D] before that layer attends, and returns the final hidden
-        states. Each resumption runs one layer (attention, MLP, the next layer's projections),
-        so the caller can spread a long forward over bounded pieces of work, and may change a
-        layer's cache slots between its queries and its attention (on-policy compaction)."""
+    ) -> Generator[Tensor | None, None, Tensor]:
+        """forward() in bounded pieces, always on the PyTorch path: yields each layer's
+        post-RoPE queries [B, H, Q, D] before that layer attends, None between the query
+        chunks of its attention (`ATTENTION_CHUNK_ELEMENTS`) and the token chunks of its MLP
+        (`STAGE_MLP_TOKENS`), and returns the final hidden states. Each resumption runs one
+        such chunk (the last one of a layer also the next layer's projections), so the caller
+        can spread a long forward over short pieces of work, and may change a layer's cache
+        slots between its queries and its attention (on-policy compaction)."""
         batch, q_len = input_ids.shape
         if cache is not None:
             cache.ensure_capacity(max(cache.lengths) + q_len)

@@ -341,16 +341,21 @@ def create_app(
             raise
 
         async def commit() -> None:  # a no-op unless the answer was appended
-            await sessions.unstoppable(sessions.persist(store, session))
+            await sessions.persist(store, session)
 
-        async def release() -> None:
+        async def finish() -> None:
             try:
-                await commit()  # also after an abort: what the engine appended is kept
+                # Also after an abort (what the engine appended is kept), and after a cancelled
+                # commit, whose write this waits for: the lock goes only once nothing writes.
+                await commit()
             except APIError as e:  # the answer already said so, or was never asked for
                 log.warning("session %s not stored: %s", session.id, e.message)
             finally:
                 await lock.__aexit__(None, None, None)
             await sessions.spill(store)
+
+        async def release() -> None:
+            await sessions.unstoppable(finish())
 
         if req.stream:
             done = completions.sse("[DONE]")

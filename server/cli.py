@@ -221,6 +221,13 @@ def serve(args: argparse.Namespace) -> None:
     names = [m.name for m in settings.models]
     if len(set(names)) != len(names):
         sys.exit(f"cdlm-serve: two models would be served as the same name: {names}")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("cdlm-serve").warning(
+            "serving on %s without --api-key: anyone who can reach port %d can run, read and "
+            "delete sessions; set CDLM_SERVE_API_KEY",
+            args.host,
+            args.port,
+        )
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

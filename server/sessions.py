@@ -114,6 +114,7 @@ async def load_cache(state: ServerState, served: ServedModel, session: Session) 
 
 
 async def spill(store: SessionStore) -> None:
+    """Keep the session caches in memory within their bound (off the event loop)."""
     await asyncio.to_thread(store.enforce_limit)
 
 

@@ -224,3 +224,28 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
         chunked = model(ids[:, 30:], cache=cache, commit=False)
     assert len(seen) > 2 * len(model.layers) and max(seen) <= budget
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypatch):
+    from models import transformer
+
+    _, model = llama_pair
+    ids = _ids(40)
+    with torch.no_grad():
+        cache = model.new_cache(1, 128)
+        model(ids[:, :25], cache=cache)
+        whole = model(ids[:, 25:], cache=cache, commit=False)
+        monkeypatch.setattr(transformer, "ATTENTION_CHUNK_ELEMENTS", 4 * 40)  # 1 row x 4 heads
+        monkeypatch.setattr(transformer, "STAGE_MLP_TOKENS", 4)
+        stages = model.forward_stages(ids[:, 25:], cache=cache, commit=False)
+        items = []
+        try:
+            while True:
+                items.append(next(stages))
+        except StopIteration as done:
+            staged = done.value
+    queries = [q for q in items if q is not None]
+    assert len(queries) == len(model.layers) and queries[0].shape == (1, 4, 15, 16)
+    assert len(items) >= len(model.layers) * (15 + 4)  # a piece per query row and MLP chunk
+    torch.testing.assert_close(staged, whole, atol=1e-5, rtol=1e-5)
+    assert cache.lengths == [25]  # commit=False: nothing kept
