@@ -27,6 +27,15 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 24
 STAGE_MLP_TOKENS = 1024
 
 
+def run_through(work: Generator[None, None, Tensor]) -> Tensor:
+    """The result of a generator that does not pause."""
+    try:
+        next(work)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("unexpected pause")
+
+
 class Linear(nn.Linear):
     """nn.Linear whose forward goes through `models.kernels.linear` (decode-friendly paths)."""
 
@@ -77,7 +86,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         if capture is not None:
             capture.append(q.detach().float().clone())
-        return self.attend(q, k, v, mask, cache, layer)
+        return run_through(self.attend(q, k, v, mask, cache, layer))
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, Q, hidden] -> post-RoPE q [B, H, Q, D], k and v [B, Hkv, Q, D]."""
@@ -103,35 +112,22 @@ class Attention(nn.Module):
         mask: AttentionMask,
         cache: KVCache | None,
         layer: int,
-    ) -> Tensor:
+        pause: bool = False,
+    ) -> Generator[None, None, Tensor]:
         """The new tokens' q [B, H, Q, D] and k, v [B, Hkv, Q, D] (written to the cache first,
-        when there is one) -> attention output through o_proj, [B, Q, hidden]."""
+        when there is one) -> attention output through o_proj, [B, Q, hidden]. A generator:
+        with `pause`, it runs in query chunks and yields None between them (a long forward's
+        attention as pieces of bounded work); without, it never yields (`run_through`)."""
         k, v, bias = self._keys(k, v, mask, cache, layer)
         aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
-        if bias is None and mask.visible is None and aligned:  # SDPA's own kernels, no mask
-            out = F.scaled_dot_product_attention(
+        if not pause and bias is None and mask.visible is None and aligned:
+            out = F.scaled_dot_product_attention(  # SDPA's own kernels, no mask
                 q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
             )
-        else:
-            chunks = self._query_chunks(q, k)
-            out = torch.cat([self._sdpa_rows(q, k, v, mask, bias, *c) for c in chunks], dim=2)
-        return self._output(out)
-
-    def attend_in_pieces(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: AttentionMask,
-        cache: KVCache | None,
-        layer: int,
-    ) -> Generator[None, None, Tensor]:
-        """attend(), always in query chunks, pausing (yielding None) between them: a long
-        forward's attention becomes pieces of bounded work."""
-        k, v, bias = self._keys(k, v, mask, cache, layer)
+            return self._output(out)
         outs = []
         for chunk in self._query_chunks(q, k):
-            if outs:
+            if outs and pause:
                 yield None
             outs.append(self._sdpa_rows(q, k, v, mask, bias, *chunk))
         return self._output(torch.cat(outs, dim=2))
@@ -222,7 +218,7 @@ class Block(nn.Module):
         h, residual = self._attention_input(x, residual)
         q, k, v = self.attn.project(h, cos, sin)
         yield q
-        h = yield from self.attn.attend_in_pieces(q, k, v, mask, cache, layer)
+        h = yield from self.attn.attend(q, k, v, mask, cache, layer, pause=True)
         h, residual = self.mlp_norm.add_forward(h, residual)
         outs = []
         for start in range(0, h.shape[1], STAGE_MLP_TOKENS):  # per token: any split is exact
