@@ -15,9 +15,10 @@ it keeps, (nll_none - nll_method) / (nll_none - nll_full), on:
   instruction to repeat it (what KVzip measures);
 
 plus greedy exact match on the facts, the mean relative attention-output error, and compaction
-wall time by stage. Methods (`engine.compaction.METHODS` with their query sources): am-omp and
-am-highest use repeat + self-study queries, their -fast variants repeat queries only; KVzip-style
-uses repeat queries; SnapKV/H2O use the context's own queries; streaming and random use none.
+wall time by stage. Methods (`engine.attention_matching.METHODS` with their query sources):
+am-omp and am-highest use repeat + self-study queries, their -fast variants repeat queries only;
+KVzip-style uses repeat queries; SnapKV/H2O use the context's own queries; streaming and random
+use none.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from engine.compactor import compact_row
-from engine.kv_cache import KVCache
+from engine.kv_compaction import compact_row
+from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
 

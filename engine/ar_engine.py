@@ -1,11 +1,11 @@
 """Autoregressive generation with continuous batching.
 
-Each running sequence owns one row of a shared KV cache. A step decodes one token for every
-running sequence in a single forward (rows of different lengths: the fused CPU decode step and
-the attention mask both handle that), then admits waiting sequences: each is prefilled alone
-into a free row and yields its first token, and joins the batch from the next step. Finished
-sequences leave between steps; the last row moves into the freed one so the active rows stay
-contiguous and the batch is a view, never a copy.
+Each running sequence owns one row of a shared KV cache. A step hands the model one token for
+every running sequence and the prompts of the sequences admitted now, in one call
+(`Transformer.extend`, which picks the fused CPU step or the PyTorch path itself), and samples a
+token for each from the logits. Finished sequences leave between steps; the last row moves into
+the freed one so the active rows stay contiguous. A sequence may continue from a session's
+cache (copied into its row when it is admitted) and write its answer back into it.
 """
 
 from __future__ import annotations
@@ -13,34 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from engine.kv_cache import KVCache
+from engine.interface import EngineOutput, TokenLogprob
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.text_output import TextAssembler
 from models import kernels
+from models.kv_cache import KVCache
 from models.transformer import Transformer
 
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-k alternatives (token, logprob), best first
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step adds to a request's answer."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+if TYPE_CHECKING:
+    from engine.session_store import Session
 
 
 @dataclass(eq=False, slots=True)
@@ -53,27 +39,20 @@ class ARSequence:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     aborted: Callable[[], bool] = lambda: False
-    # Continue from a session's cache (engine.sessions.Session); with `append`, the prompt and
+    # Continue from a session's cache (engine.session_store.Session); with `append`, the prompt and
     # the answer are written back into the session when the sequence finishes.
-    session: Any = None
+    session: Session | None = None
     append: bool = True
     row: int = -1
-    pending: int | None = None  # last sampled token, not yet run through the model
+    next_input: int | None = None  # the last sampled token: the next step runs it
     generated: int = 0
-    fed_tokens: list[int] = field(default_factory=list)  # sampled tokens already run through
-    pending_final: int | None = None  # the last sampled token, once finished
+    run_tokens: list[int] = field(default_factory=list)  # sampled tokens already in the cache
+    last_token: int | None = None  # the final sampled token (never run), once finished
     finish_reason: str | None = None
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     token_times: list[float] = field(default_factory=list)
-
-
-# Up to this many prompt tokens per step are prefilled inside the fused decode step (see
-# AREngine._fused); longer prompts take the PyTorch path. Measured on SmolLM2, one prompt, 2
-# cores: fused vs PyTorch 22 vs 91 ms at 20 tokens, 84 vs 102 at 128, 220 vs 175 at 256 (the
-# fused attention is a plain per-query loop; SDPA wins on long prompts).
-FUSED_PREFILL_TOKENS = 128
 
 
 def _session_slots(seq: ARSequence) -> int:
@@ -107,7 +86,7 @@ class AREngine:
         prompt: list[int],
         params: SamplingParams,
         aborted: Callable[[], bool] = lambda: False,
-        session: Any = None,
+        session: Session | None = None,
         append: bool = True,
     ) -> ARSequence:
         history = 0 if session is None else session.logical_length
@@ -143,6 +122,12 @@ class AREngine:
         self.running.clear()
         self.cache = None
 
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
     def kv_usage(self) -> float:
         """Fraction of the allocated KV slots that hold committed tokens."""
         if self.cache is None:
@@ -155,7 +140,7 @@ class AREngine:
         prompt_ids: list[int],
         params: SamplingParams,
         aborted: Callable[[], bool] = lambda: False,
-    ) -> Iterator[StepOutput]:
+    ) -> Iterator[EngineOutput]:
         """One request alone (the engine must be otherwise idle); yields its outputs."""
         seq = self.new_sequence("single", prompt_ids, params, aborted)
         self.add(seq)
@@ -164,18 +149,21 @@ class AREngine:
 
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
         for seq in [s for s in self.running if s.aborted()]:
             seq.finish_reason = "abort"
-            outputs.append(StepOutput(seq.id, [], "", "abort"))
+            outputs.append(EngineOutput(seq.id, [], "", "abort"))
             self._retire(seq)
         new = self._take_waiting(outputs)
-        if not self._fused(new, outputs):
-            if self.running:
-                outputs += self._decode()
-            if new:
-                outputs += self._prefill(new)
+        batch = self.running + new
+        if batch:
+            assert self.cache is not None  # running rows were prefilled into it, new rows taken
+            chunks = [(s.row, [s.next_input]) for s in self.running]
+            chunks += [(s.row, s.prompt) for s in new]
+            logits = self.model.logits(self.model.extend(chunks, self.cache))  # [len(batch), V]
+            self.running.extend(new)
+            outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(batch)]
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._retire(seq)
         return outputs
@@ -186,14 +174,14 @@ class AREngine:
         self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
         return self.cache
 
-    def _take_waiting(self, outputs: list[StepOutput]) -> list[ARSequence]:
+    def _take_waiting(self, outputs: list[EngineOutput]) -> list[ARSequence]:
         """Give every waiting sequence that fits a cache row (fresh, or loaded from its
         session); aborted ones leave with an output instead."""
         new: list[ARSequence] = []
         while self.waiting and len(self.running) + len(new) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.aborted():
-                outputs.append(StepOutput(seq.id, [], "", "abort"))
+                outputs.append(EngineOutput(seq.id, [], "", "abort"))
                 continue
             seq.admitted = time.perf_counter()
             seq.row = len(self.running) + len(new)
@@ -210,68 +198,17 @@ class AREngine:
                 cache.reset(seq.row)
         return new
 
-    def _fused(self, new: list[ARSequence], outputs: list[StepOutput]) -> bool:
-        """Decode every running row and prefill the new sequences in one fused call (the
-        weights stream from memory once for both; a prefill no longer stalls the batch for a
-        forward of its own). False, with nothing changed, where it does not apply: no fused
-        kernels here, or prompts longer than FUSED_PREFILL_TOKENS together (the PyTorch
-        path's batched attention is the better tool for those)."""
-        if not (self.running or new) or sum(len(s.prompt) for s in new) > FUSED_PREFILL_TOKENS:
-            return False
-        assert self.cache is not None  # running rows were prefilled into it, new rows taken
-        chunks = [(s.row, [s.pending]) for s in self.running] + [(s.row, s.prompt) for s in new]
-        hidden = self.model.fused_step(chunks, self.cache)  # [len(chunks), hidden]
-        if hidden is None:
-            return False
-        logits = self.model.logits(hidden)
-        batch = self.running + new
-        self.running.extend(new)
-        outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(batch)]
-        return True
-
-    def _prefill(self, new: list[ARSequence]) -> list[StepOutput]:
-        """Prefill the new sequences in one padded forward (PyTorch path)."""
-        assert self.cache is not None
-        cache = self.cache
-        first = new[0].row
-        width = max(len(s.prompt) for s in new)
-        device = self.model.device
-        ids = torch.zeros(len(new), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(new), width, dtype=torch.bool, device=device)
-        for i, seq in enumerate(new):
-            ids[i, : len(seq.prompt)] = torch.tensor(seq.prompt, device=device)
-            valid[i, : len(seq.prompt)] = True
-        view = cache.rows(first, first + len(new))
-        ragged = any(len(s.prompt) != width for s in new)
-        hidden = self.model(ids, cache=view, valid=valid if ragged else None)  # [k, W, hidden]
-        cache.absorb(view, first)
-        last = torch.tensor([len(s.prompt) - 1 for s in new], device=device)
-        logits = self.model.logits(hidden[torch.arange(len(new), device=device), last])
-        self.running.extend(new)
-        return [self._accept(seq, logits[i]) for i, seq in enumerate(new)]
-
-    def _decode(self) -> list[StepOutput]:
-        n = len(self.running)
-        assert self.cache is not None  # running rows were prefilled into it
-        cache = self._cache_for(max(self.cache.lengths[:n]) + 1)
-        tokens = torch.tensor([[s.pending] for s in self.running], device=self.model.device)
-        view = cache.rows(0, n)
-        hidden = self.model(tokens, cache=view)  # [n, 1, hidden]
-        cache.absorb(view)
-        logits = self.model.logits(hidden[:, 0])  # [n, V]
-        return [self._accept(seq, logits[i]) for i, seq in enumerate(self.running)]
-
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:
             return int(kernels.argmax(logits[None])[0])
         return int(sample(logits[None], seq.params, seq.generator)[0])
 
-    def _accept(self, seq: ARSequence, logits: Tensor) -> StepOutput:
+    def _accept(self, seq: ARSequence, logits: Tensor) -> EngineOutput:
         """Sample the next token of `seq` from its logits [V] and say what it adds."""
         token = self._sample(seq, logits)
-        if seq.pending is not None:  # the previous token has just been run through the model
-            seq.fed_tokens.append(seq.pending)
-        seq.pending_final = token
+        if seq.next_input is not None:  # the previous token has just been run through the model
+            seq.run_tokens.append(seq.next_input)
+        seq.last_token = token
         seq.generated += 1
         seq.token_times.append(time.perf_counter())
         lps = (
@@ -281,15 +218,15 @@ class AREngine:
         )
         if token in seq.stop_ids:
             # Counted as generated (as OpenAI and vLLM do), never shown as text.
-            return self._finish(seq, StepOutput(seq.id, [token], seq.text.flush(), "stop", lps))
+            return self._finish(seq, EngineOutput(seq.id, [token], seq.text.flush(), "stop", lps))
         delta = seq.text.push(token)
         if delta.stopped:
-            return self._finish(seq, StepOutput(seq.id, [token], delta.text, "stop", lps))
+            return self._finish(seq, EngineOutput(seq.id, [token], delta.text, "stop", lps))
         if seq.generated >= seq.budget:
-            out = StepOutput(seq.id, [token], delta.text + seq.text.flush(), "length", lps)
+            out = EngineOutput(seq.id, [token], delta.text + seq.text.flush(), "length", lps)
             return self._finish(seq, out)
-        seq.pending = token
-        return StepOutput(seq.id, [token], delta.text, None, lps)
+        seq.next_input = token
+        return EngineOutput(seq.id, [token], delta.text, None, lps)
 
     @staticmethod
     def _logprob(logits: Tensor, token: int, top_k: int) -> TokenLogprob:
@@ -302,15 +239,16 @@ class AREngine:
 
     def _write_back(self, seq: ARSequence) -> None:
         """The session now holds the prompt and the answer. The last sampled token was never
-        run through the model: it stays pending, fed first by the next request."""
+        run through the model: it stays the session's next input, run first by the next
+        request."""
         assert self.cache is not None
         # A normal tensor, not an inference one (step() runs in inference mode): a later
         # compaction writes into the session's cache in place.
         with torch.inference_mode(False):
             cache = self.cache.extract_row(seq.row)
-        seq.session.extend(cache, seq.prompt + seq.fed_tokens, seq.pending_final)
+        seq.session.extend(cache, seq.prompt + seq.run_tokens, seq.last_token)
 
-    def _finish(self, seq: ARSequence, out: StepOutput) -> StepOutput:
+    def _finish(self, seq: ARSequence, out: EngineOutput) -> EngineOutput:
         seq.finish_reason = out.finish_reason
         return out
 

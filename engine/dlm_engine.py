@@ -34,16 +34,20 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
-from engine.kv_cache import KVCache
+from engine.interface import EngineOutput
 from engine.sampling import _top_p_filter, make_generator
 from engine.text_output import TextAssembler
 from models.attention import AttentionPattern
+from models.kv_cache import KVCache
 from models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from engine.session_store import Session
 
 Decoding = Literal["cdlm", "fast_dllm", "vanilla"]
 DECODINGS: tuple[Decoding, ...] = ("cdlm", "fast_dllm", "vanilla")
@@ -61,17 +65,6 @@ class DLMParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-
-
-@dataclass(slots=True)
-class DLMOutput:
-    """Newly final text of one request (a completed block, or the end of the answer)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
-    steps: int  # forward passes this request has taken so far
 
 
 @dataclass(eq=False, slots=True)
@@ -170,7 +163,11 @@ class DLMEngine:
         prompt: list[int],
         params: DLMParams,
         aborted: Callable[[], bool] = lambda: False,
+        session: Session | None = None,
+        append: bool = True,
     ) -> DLMSequence:
+        if session is not None:
+            raise ValueError("sessions are for autoregressive models")
         if not prompt:
             raise ValueError("a diffusion model needs a non-empty prompt")
         if params.block_size < 1 or params.max_tokens < 1:
@@ -202,6 +199,18 @@ class DLMEngine:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running.values())
 
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return sum(len(group) for group in self.running.values())
+
+    def kv_usage(self) -> float:
+        """Fraction of the decoding modes' KV slots holding committed tokens (vanilla keeps
+        no cache)."""
+        slots = sum(c.batch * c.capacity for c in self.caches.values())
+        return sum(sum(c.lengths) for c in self.caches.values()) / slots if slots else 0.0
+
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
         self.waiting.clear()
@@ -209,7 +218,7 @@ class DLMEngine:
             group.clear()
         self.caches.clear()
 
-    def generate(self, prompt: list[int], params: DLMParams) -> Iterator[DLMOutput]:
+    def generate(self, prompt: list[int], params: DLMParams) -> Iterator[EngineOutput]:
         """Decode one request alone (the engine must be otherwise idle)."""
         seq = self.new_sequence("single", prompt, params)
         self.add(seq)
@@ -218,15 +227,15 @@ class DLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[DLMOutput]:
+    def step(self) -> list[EngineOutput]:
         """Admit waiting requests, run one forward per decoding mode, and return what became
         final."""
-        outputs: list[DLMOutput] = []
+        outputs: list[EngineOutput] = []
         self._admit()
         for mode in DECODINGS:
             for seq in [s for s in self.running[mode] if s.aborted()]:
                 seq.finish_reason = "abort"
-                outputs.append(DLMOutput(seq.id, [], "", "abort", seq.steps))
+                outputs.append(EngineOutput(seq.id, [], "", "abort", steps=seq.steps))
                 self._retire(mode, seq)
             group = self.running[mode]
             if group:
@@ -270,10 +279,9 @@ class DLMEngine:
         p = len(seq.prompt)
         cache = self._cache("cdlm", p + seq.gen_len + 2 * seq.size)
         cache.reset(seq.row)
-        view = cache.rows(seq.row, seq.row + 1)
         ids = torch.tensor([seq.prompt], device=self.model.device)
-        hidden = self.model(ids, cache=view, pattern=AttentionPattern.block_causal(seq.size, p))
-        cache.absorb(view, seq.row)
+        pattern = AttentionPattern.block_causal(seq.size, p)
+        hidden = self.model(ids, cache=cache, rows=(seq.row, seq.row + 1), pattern=pattern)
         self.forward_passes += 1
         seq.steps += 1  # reported steps are forward passes, the prefill included
         if self.shift:
@@ -319,8 +327,6 @@ class DLMEngine:
             for r in rows:
                 if r.seq.refresh:
                     cache.reset(r.seq.row)
-        # Every row writes q_max scratch slots (its padding too) after what it holds.
-        cache.ensure_capacity(max(cache.lengths[:n]) + q_max)
         if mode == "fast_dllm":
             pattern = AttentionPattern.bidirectional()
         elif n == 1:  # host ints let the model skip the mask on single-block steps
@@ -330,20 +336,20 @@ class DLMEngine:
                 torch.tensor([r.seq.size for r in rows], device=device),
                 torch.tensor([len(r.seq.prompt) for r in rows], device=device),
             )
-        view = cache.rows(0, n)
-        positions = torch.tensor(view.logical, device=device).view(n, 1) + torch.arange(
+        positions = torch.tensor(cache.logical[:n], device=device).view(n, 1) + torch.arange(
             q_max, device=device
         )
-        hidden = self.model(
+        # Rows 0..n-1 of the mode's cache; every row writes q_max scratch slots (its padding
+        # too) after what it holds.
+        return self.model(
             tokens,
-            cache=view,
+            cache=cache,
+            rows=(0, n),
             positions=positions,
             pattern=pattern,
             valid=valid if padded else None,
             commit=[r.commit for r in rows],
         )
-        cache.absorb(view)
-        return hidden
 
     def _fused_blocks(self, rows: list[_Row], cache: KVCache) -> Tensor | None:
         """cdlm rows through the fused C++ step (bf16 on CPU): each row's new tokens (the
@@ -390,7 +396,7 @@ class DLMEngine:
         assert seq.carry is not None, "no logits for the block's first position"
         return torch.cat([seq.carry[None], rest])
 
-    def _advance(self, row: _Row, hidden: Tensor) -> DLMOutput | None:
+    def _advance(self, row: _Row, hidden: Tensor) -> EngineOutput | None:
         seq = row.seq
         seq.steps += 1
         if seq.params.decoding == "cdlm" and seq.pending_commit:
@@ -432,7 +438,7 @@ class DLMEngine:
         chosen[best] = True  # always at least the most confident masked position
         return chosen, tokens
 
-    def _after_step(self, seq: DLMSequence) -> DLMOutput | None:
+    def _after_step(self, seq: DLMSequence) -> EngineOutput | None:
         """Emit what became final; finish once the answer is complete."""
         answer = seq.answer.tolist()
         limit = min(seq.params.max_tokens, seq.gen_len)
@@ -454,7 +460,7 @@ class DLMEngine:
 
     def _emit(
         self, seq: DLMSequence, ids: list[int], reason: str | None, hidden_last: bool = False
-    ) -> DLMOutput:
+    ) -> EngineOutput:
         parts = []
         for i, t in enumerate(ids[:-1] if hidden_last else ids):
             delta = seq.text.push(t)
@@ -468,7 +474,7 @@ class DLMEngine:
                 parts.append(seq.text.flush())
         seq.emitted += len(ids)
         seq.finish_reason = reason
-        return DLMOutput(seq.id, ids, "".join(parts), reason, seq.steps)
+        return EngineOutput(seq.id, ids, "".join(parts), reason, steps=seq.steps)
 
     def _retire(self, mode: Decoding, seq: DLMSequence) -> None:
         group = self.running[mode]

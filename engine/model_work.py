@@ -2,7 +2,7 @@
 
 A session's prompt is prefilled, and an echoed prompt's logprobs are computed, in chunks of at
 most `CHUNK_TOKENS` tokens. Each chunk is one piece of work handed to `on_engine` (the server
-passes `BatchWorker.run`, which runs it on the model's engine thread between two decode steps),
+passes `EngineThread.run`, which runs it on the model's engine thread between two decode steps),
 so a long prompt never holds the engine for more than one chunk and never materializes logits
 for more than one chunk ([chunk, vocab] instead of [prompt, vocab]: 1.6 GB of fp32 for 8K tokens
 of a 49K vocabulary). Run these functions from a thread that may block, never the event loop.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.compactor import OnEngine, inline
-from engine.kv_cache import KVCache
+from engine.kv_compaction import OnEngine, inline
+from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 CHUNK_TOKENS = 512

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 
 from engine.ar_engine import AREngine
 from engine.dlm_engine import DLMEngine
-from engine.scheduler import BatchWorker
+from engine.engine_thread import EngineThread
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
@@ -34,7 +35,7 @@ class ServedModel:
     config: ModelConfig
     max_model_len: int
     engine: AREngine | DLMEngine
-    worker: BatchWorker
+    thread: EngineThread  # the engine runs on it; model work goes through it too
     created: int
     max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
 
@@ -54,10 +55,17 @@ class ServedModel:
 
 
 def load_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if folder.is_file() and folder.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(folder.parent), gguf_file=folder.name)
+    config = folder / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        # A format transformers does not know (LLaDA, Dream: we load those natively). Its
+        # tokenizer files say everything; reading config.json would only warn about its type.
+        return AutoTokenizer.from_pretrained(str(folder), config=PretrainedConfig())
     return AutoTokenizer.from_pretrained(str(folder))
 
 
@@ -72,9 +80,13 @@ def load_served_model(
     metrics: Metrics | None = None,
 ) -> ServedModel:
     started = time.perf_counter()
-    if device.type == "cpu":
-        kernels.enable_cpu_kernels()  # compiled once per machine (~30 s), then cached
+    if device.type == "cpu" and kernels.cpu_has_bf16_dot():
+        log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
+        active = kernels.enable_cpu_kernels()
+        log.info("%s: fused CPU kernels %s", name, "ready" if active else "unavailable")
+    log.info("%s: finding %s (a built-in model is fetched and converted once)", name, spec)
     path = resolve(spec)
+    log.info("%s: loading weights from %s on %s/%s", name, path, device, dtype)
     model, ckpt = load_model(path, device=device, dtype=dtype, resolve=resolve)
     tokenizer = load_tokenizer(ckpt.tokenizer_folder or path)
     limit = min(
@@ -97,7 +109,7 @@ def load_served_model(
         engine = AREngine(model, tokenizer, limit, max_batch=max_batch)
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
-    worker = BatchWorker(name, engine, max_queue, on_step=on_step)
+    thread = EngineThread(name, engine, max_queue, on_step=on_step)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",
         name,
@@ -114,7 +126,7 @@ def load_served_model(
         config=ckpt.config,
         max_model_len=limit,
         engine=engine,
-        worker=worker,
+        thread=thread,
         created=int(time.time()),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
     )

@@ -1,9 +1,9 @@
 """A session on disk: versioned files, so that a crash at any moment leaves one complete version.
 
-One folder per session, named by its id (ids are checked by `engine.sessions.check_id`, and
+One folder per session, named by its id (ids are checked by `engine.session_store.check_id`, and
 every path is checked to lie inside the store's root before it is touched):
 
-    <root>/<id>/meta.json               the committed version: token history, pending token,
+    <root>/<id>/meta.json               the committed version: token history, next input token,
                                         compactions, and the KV segments that hold its cache
     <root>/<id>/kv-<generation>.safetensors
                                         immutable segments: slots [start, end) of every layer's
@@ -37,8 +37,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.kv_cache import KVCache
 from models.fetch import fsync_dir
+from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Version:
     id: str
     model: str
     tokens: list[int]
-    pending: int | None
+    next_input: int | None
     compactions: list[dict[str, Any]]
     created: float
     length: int  # physical slots of the cache (0: no cache yet)
@@ -90,7 +90,7 @@ class Version:
             id=str(obj["id"]),
             model=str(obj["model"]),
             tokens=[int(t) for t in obj["tokens"]],
-            pending=None if obj.get("pending") is None else int(obj["pending"]),
+            next_input=None if obj.get("next_input") is None else int(obj["next_input"]),
             compactions=list(obj.get("compactions", [])),
             created=float(obj["created"]),
             length=int(obj["length"]),
@@ -172,7 +172,7 @@ def write_version(
         id=version.id,
         model=version.model,
         tokens=list(version.tokens),
-        pending=version.pending,
+        next_input=version.next_input,
         compactions=list(version.compactions),
         created=version.created,
         length=length,

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel, load_served_model
-from engine.sessions import SessionError, SessionStore
+from engine.session_store import SessionStore
 from models.fetch import serve_home
-from server import chat, completions, sessions
+from server import chat, completions, sessions_api
 from server.errors import APIError, error_body, error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
 from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -33,7 +33,7 @@ from server.schemas import (
     ErrorResponse,
     ModelList,
 )
-from server.sessions import Compactions
+from server.sessions_api import Compactions
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class ServerState:
     load_error: str | None = None
 
     def load_all(self) -> None:
+        log.info(
+            "loading %d model(s); /health answers 503 until they are ready",
+            len(self.settings.models),
+        )
         try:
             for spec in self.settings.models:
                 s = self.settings
@@ -111,6 +115,8 @@ class ServerState:
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
             self.load_error = f"{type(e).__name__}: {e}"
+        else:
+            log.info("ready: serving %s (/health answers 200)", ", ".join(self.models))
         finally:
             self.ready.set()
 
@@ -126,10 +132,10 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
-        if served.worker.full():  # checked before a stream starts: its 429 must be a status
+        if served.thread.full():  # checked before a stream starts: its 429 must be a status
             raise APIError(
                 429,
-                f"{name}: {served.worker.waiting} requests are already waiting",
+                f"{name}: {served.thread.waiting} requests are already waiting",
                 headers={"Retry-After": "1"},
             )
         return served
@@ -138,28 +144,15 @@ class ServerState:
         """model -> (running, waiting, KV cache usage), read at scrape time."""
         out = {}
         for name, served in self.models.items():
-            usage = getattr(served.engine, "kv_usage", lambda: 0.0)()
-            out[name] = (served.worker.running, served.worker.waiting, usage)
+            out[name] = (served.thread.running, served.thread.waiting, served.engine.kv_usage())
         return out
 
     def shutdown(self) -> None:
         """Let in-flight requests finish, stop the engine threads, write sessions to disk."""
         for served in self.models.values():
-            served.worker.shutdown(timeout=60)
+            served.thread.shutdown(timeout=60)
         self.compactions.shutdown()
         self.sessions.persist_all()
-
-
-async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; if the client goes away first, cancel it (which aborts its engine
-    sequences) instead of finishing an answer nobody will read."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            raise APIError(499, "client closed the request")
-    return task.result()
 
 
 def _document_models(app: FastAPI, names: list[str]) -> None:
@@ -273,7 +266,7 @@ def create_app(
             ],
         }
 
-    sessions.install(app, state, errors)
+    sessions_api.install(app, state, errors)
     _document_models(app, [spec.name for spec in settings.models])
 
     @app.post(
@@ -285,7 +278,7 @@ def create_app(
     async def create_completion(req: CompletionRequest, request: Request):
         served = state.get(req.model)
         if req.session_id is not None:
-            return await session_completion(req, request, served)
+            return await sessions_api.continue_session(state, served, req, request)
         choices = completions.plan_completion(served, req)
         if req.stream:
             return StreamingResponse(
@@ -294,7 +287,7 @@ def create_app(
             )
         # Returned as built (the response_model documents the shape): usage.steps is present
         # for diffusion models only, and logprobs is an explicit null.
-        body = await until_disconnected(
+        body = await completions.until_disconnected(
             request, completions.complete(served, req, choices, state.metrics)
         )
         return JSONResponse(body)
@@ -307,79 +300,9 @@ def create_app(
             return StreamingResponse(
                 chat.stream(served, req, choices, state.metrics), media_type="text/event-stream"
             )
-        body = await until_disconnected(request, chat.complete(served, req, choices, state.metrics))
+        body = await completions.until_disconnected(
+            request, chat.complete(served, req, choices, state.metrics)
+        )
         return JSONResponse(body)
-
-    async def session_completion(req: CompletionRequest, request: Request, served: ServedModel):
-        """A completion that continues from a session's cache, holding it locked throughout.
-        With `append`, the grown session is on disk before the answer (or the stream's
-        [DONE]) goes out."""
-        session = sessions.find(state, req.session_id)
-        if session.model != req.model:
-            raise APIError(
-                400, f"session {session.id!r} belongs to model {session.model!r}", param="model"
-            )
-        if (
-            req.n != 1
-            or not isinstance(req.prompt, str | list)
-            or (isinstance(req.prompt, list) and not all(isinstance(t, int) for t in req.prompt))
-        ):
-            raise APIError(400, "a session completion takes one prompt and n = 1", param="prompt")
-        lock = sessions.locked(session, settings.session_lock_wait)
-        await lock.__aenter__()
-        try:
-            await sessions.load_cache(state, served, session)
-            choices = completions.plan_session(served, req, session)
-            if req.append:
-                grows = len(choices[0].prompt_ids) + choices[0].params.max_tokens
-                try:
-                    store.check_room(grows * sessions.bytes_per_token(served))
-                except SessionError as e:
-                    raise sessions.session_error(e, "session_id") from None
-        except BaseException:
-            await lock.__aexit__(None, None, None)
-            raise
-
-        async def commit() -> None:  # a no-op unless the answer was appended
-            await sessions.persist(store, session)
-
-        async def finish() -> None:
-            try:
-                # Also after an abort (what the engine appended is kept), and after a cancelled
-                # commit, whose write this waits for: the lock goes only once nothing writes.
-                await commit()
-            except APIError as e:  # the answer already said so, or was never asked for
-                log.warning("session %s not stored: %s", session.id, e.message)
-            finally:
-                await lock.__aexit__(None, None, None)
-            await sessions.spill(store)
-
-        async def release() -> None:
-            await sessions.unstoppable(finish())
-
-        if req.stream:
-            done = completions.sse("[DONE]")
-
-            async def body():
-                try:
-                    async for chunk in completions.stream(served, req, choices, state.metrics):
-                        if chunk == done:
-                            try:
-                                await commit()
-                            except APIError as e:
-                                yield completions.sse(error_body(e.status, e.message, e.param))
-                        yield chunk
-                finally:
-                    await release()
-
-            return StreamingResponse(body(), media_type="text/event-stream")
-        try:
-            result = await until_disconnected(
-                request, completions.complete(served, req, choices, state.metrics)
-            )
-            await commit()
-        finally:
-            await release()
-        return JSONResponse(result)
 
     return app

@@ -10,7 +10,7 @@ from typing import Any
 from engine.served_model import ServedModel
 from server.completions import (
     Choice,
-    Tally,
+    UsageCount,
     encode,
     new_id,
     plan_choices,
@@ -85,7 +85,7 @@ async def complete(
     metrics: Metrics | None = None,
 ) -> dict:
     started = time.perf_counter()
-    tally = Tally()
+    tally = UsageCount()
     texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
     logprobs: dict[int, list[dict]] = {i: [] for i in range(len(choices))}
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
@@ -143,7 +143,7 @@ async def stream(
             body["usage"] = None
         return sse(body)
 
-    tally = Tally()
+    tally = UsageCount()
     try:
         for c in choices:  # the role comes first, as OpenAI sends it
             yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])

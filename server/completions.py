@@ -4,7 +4,7 @@ response (one JSON body) or its server-sent-event stream.
 The pieces here are shared with chat completions (`server/chat.py`): `plan_choices` (prompts x
 n samples -> engine parameters, with every limit checked up front), `run_choices` (all choices
 of a request submitted at once, so the engine batches them, their outputs merged as they come)
-and `Tally` (usage). AR models stream one chunk per token, diffusion models one per completed
+and `UsageCount` (usage). AR models stream one chunk per token, diffusion models one per completed
 block and report `usage.steps`.
 """
 
@@ -15,15 +15,19 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+
 from engine import model_work
 from engine.dlm_engine import DLMParams
+from engine.engine_thread import QueueFull
+from engine.interface import EngineOutput
 from engine.sampling import SamplingParams
-from engine.scheduler import QueueFull
 from engine.served_model import ServedModel
+from engine.session_store import Session
 from server.errors import APIError, error_body
 from server.metrics import Metrics
 from server.request_limits import MAX_CHOICES
@@ -40,23 +44,23 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str
     params: SamplingParams | DLMParams
-    session: Any = None  # engine.sessions.Session to continue from
+    session: Session | None = None  # continue from this session's cache
     append: bool = True
 
 
 @dataclass(slots=True)
-class Tally:
+class UsageCount:
     """What a request produced, for usage and metrics."""
 
     completion_tokens: int = 0
     steps: int = 0
     reasons: list[str] = field(default_factory=list)
 
-    def add(self, out: Any) -> None:
+    def add(self, out: EngineOutput) -> None:
         self.completion_tokens += len(out.token_ids)
         if out.finish_reason is not None:
             self.reasons.append(out.finish_reason)
-            self.steps += getattr(out, "steps", 0)
+            self.steps += out.steps or 0
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -199,8 +203,8 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
     return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
 
 
-def plan_session(served: ServedModel, req: CompletionRequest, session: Any) -> list[Choice]:
-    """One choice continuing from a session: the session's pending token (sampled last time,
+def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
+    """One choice continuing from a session: the session's next input token (sampled last time,
     never run through the model) comes first."""
     reject_unsupported(
         served,
@@ -208,8 +212,8 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Any) -> l
         {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
     )
     ((ids, text),) = prompt_ids(served, req.prompt)
-    if session.pending is not None:
-        ids = [session.pending, *ids]
+    if session.next_input is not None:
+        ids = [session.next_input, *ids]
     room = served.max_model_len - session.logical_length - len(ids)
     wanted = req.max_tokens if req.max_tokens is not None else room
     if wanted > room or room < 1:
@@ -222,15 +226,13 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Any) -> l
 async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
-    def build(request_id, aborted):
-        if choice.session is not None:
-            return served.engine.new_sequence(
-                request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
-            )
-        return served.engine.new_sequence(request_id, choice.prompt_ids, choice.params, aborted)
+    def build(request_id: str, aborted: Callable[[], bool]) -> Any:
+        return served.engine.new_sequence(
+            request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
+        )
 
     try:
-        async for out in served.worker.stream(build):
+        async for out in served.thread.stream(build):
             yield out
     except QueueFull as e:
         raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
@@ -276,7 +278,7 @@ def new_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(served: ServedModel, choices: list[Choice], n: int, tally: Tally) -> dict:
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict:
     # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
     body = {
@@ -293,7 +295,7 @@ def record(
     metrics: Metrics | None,
     served: ServedModel,
     body: dict,
-    tally: Tally,
+    tally: UsageCount,
     started: float,
     n_choices: int,
 ) -> None:
@@ -351,6 +353,18 @@ class LegacyLogprobs:
         }
 
 
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine
+    sequences) instead of finishing an answer nobody will read."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client closed the request")
+    return task.result()
+
+
 # ---- the two response forms -------------------------------------------------------------------
 async def complete(
     served: ServedModel,
@@ -359,7 +373,7 @@ async def complete(
     metrics: Metrics | None = None,
 ) -> dict:
     started = time.perf_counter()
-    tally = Tally()
+    tally = UsageCount()
     texts: dict[int, list[str]] = {
         i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
     }
@@ -403,7 +417,7 @@ async def _start_logprobs(
             served.model,
             choice.prompt_ids,
             req.logprobs,
-            served.worker.run,
+            served.thread.run,
         )
         for p in scored:
             lp.add(p.token, p.logprob, p.top)
@@ -434,7 +448,7 @@ async def stream(
             body["usage"] = None
         return sse(body)
 
-    tally = Tally()
+    tally = UsageCount()
     logprobs = {}
     try:
         for i, c in enumerate(choices):

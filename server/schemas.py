@@ -6,16 +6,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.compaction import METHODS
-from engine.compactor import QUERY_SOURCES
-from engine.sessions import SESSION_ID_PATTERN
+from engine.attention_matching import METHODS
+from engine.kv_compaction import QUERY_SOURCES
+from engine.session_store import SESSION_ID_PATTERN
 from server.request_limits import MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
 # Request bodies: strict JSON types, unknown fields ignored, no NaN or infinite numbers.
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-def session_id_field():  # the one rule (engine.sessions), as a schema pattern
+def session_id_field():  # the one rule (engine.session_store), as a schema pattern
     return Field(None, pattern=f"^{SESSION_ID_PATTERN}$")
 
 

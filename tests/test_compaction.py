@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compaction import (
+from engine.attention_matching import (
     METHODS,
     HeadInputs,
     compact_head,
@@ -150,7 +150,7 @@ def _next_logits(model, cache, token):
 
 @pytest.mark.parametrize("source", ["context", "repeat", "self-study", "on-policy"])
 def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
-    from engine.compactor import compact_row
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -174,7 +174,7 @@ def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
 
 
 def test_compacted_cache_continues_from_the_logical_length(tiny):
-    from engine.compactor import compact_row
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -205,7 +205,7 @@ def test_compacted_cache_continues_from_the_logical_length(tiny):
 
 
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
-    from engine.compactor import compact_row
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -229,7 +229,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
     """Every forward of a compaction goes through on_engine (the server runs those pieces on
     the engine thread between decode steps), each piece runs at most one layer's attention,
     and the fits run outside them."""
-    from engine.compactor import compact_row
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -268,7 +268,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
 
 
 def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
-    from engine.compaction import HeadInputs, OmpBudget, omp
+    from engine.attention_matching import HeadInputs, OmpBudget, omp
 
     gen = torch.Generator().manual_seed(0)
     h = HeadInputs(
@@ -285,6 +285,6 @@ def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
     index = omp(h, 16, budget=gone)
     assert len(set(index.tolist())) == 16 and gone.stop_from == 5
     # Out of time from the start: the keys are the highest-attention ones.
-    from engine.compaction import highest_attention
+    from engine.attention_matching import highest_attention
 
     assert torch.equal(index, highest_attention(h, 16))

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import running_server
-from engine.sessions import SESSION_ID, SessionError, SessionStore
+from engine.session_store import SESSION_ID, SessionError, SessionStore
 
 ODD_TEXT = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import session_files
-from engine.kv_cache import KVCache
 from engine.session_files import MAX_SEGMENTS, CorruptSession, Version, read_cache, recover
-from engine.sessions import Session, SessionStore
+from engine.session_store import Session, SessionStore
+from models.kv_cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 8
 
@@ -57,7 +57,7 @@ def _draft(version: Version | None, tokens: list[int], sid: str = "s") -> Versio
         id=sid,
         model="m",
         tokens=tokens,
-        pending=None,
+        next_input=None,
         compactions=[],
         created=0.0,
         length=0,
@@ -193,11 +193,11 @@ def test_store_persists_only_what_changed_and_spills_from_disk(tmp_path):
     assert session.cache is None
     with session.lock:
         _same(store.load(session, torch.device("cpu"), torch.float32), cache)
-        session.extend(_grown(cache, 3, 1), [0, 1, 2], pending=9)
+        session.extend(_grown(cache, 3, 1), [0, 1, 2], next_input=9)
         store.persist(session)
     assert [(s.start, s.end) for s in session.version.segments] == [(0, 20), (20, 23)]
     again = SessionStore(tmp_path, max_bytes=1 << 20).get("s")
-    assert again is not None and again.tokens == [*range(20), 0, 1, 2] and again.pending == 9
+    assert again is not None and again.tokens == [*range(20), 0, 1, 2] and again.next_input == 9
     assert isinstance(again, Session) and again.describe()["physical_tokens"] == 23
 
 

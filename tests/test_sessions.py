@@ -214,7 +214,7 @@ def test_an_answered_append_is_already_on_disk(base, store):
 
     n = on_disk()
     r = _complete(base, prompt="Q:", session_id="disk")
-    grown = n + 2 + r.json()["usage"]["completion_tokens"] - 1  # the last token is pending
+    grown = n + 2 + r.json()["usage"]["completion_tokens"] - 1  # the last token is the next input
     assert on_disk() == grown == httpx.get(f"{base}/v1/sessions/disk").json()["tokens"] - 1
     body = {"model": "tiny", "prompt": "R:", "max_tokens": 5, "temperature": 0}
     with httpx.stream(

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from engine import session_files
-from engine.kv_cache import KVCache
 from engine.session_files import CorruptSession, Version
+from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Session:
     model: str
     tokens: list[int]  # history whose K/V the cache holds, in order
     cache: KVCache | None  # None while it lives on disk only (or has no tokens yet)
-    pending: int | None = None  # last sampled token, not yet in the cache
+    next_input: int | None = None  # last sampled token, not yet in the cache
     compactions: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -95,12 +95,12 @@ class Session:
         return 0 if self.cache is None else self.cache.nbytes(0)
 
     # ---- changes (the caller holds the lock) -----------------------------------------------
-    def extend(self, cache: KVCache, new_tokens: list[int], pending: int | None) -> None:
+    def extend(self, cache: KVCache, new_tokens: list[int], next_input: int | None) -> None:
         """A completion appended `new_tokens` to the history: `cache` holds the old slots
         unchanged, then theirs."""
         self.cache = cache
         self.tokens = self.tokens + new_tokens
-        self.pending = pending
+        self.next_input = next_input
         self.dirty = True
 
     def rewrite(self, cache: KVCache, tokens: list[int] | None = None) -> None:
@@ -121,7 +121,7 @@ class Session:
             "object": "session",
             "model": self.model,
             "created": int(self.created),
-            "tokens": len(self.tokens) + (self.pending is not None),
+            "tokens": len(self.tokens) + (self.next_input is not None),
             "logical_length": self.logical_length,
             "physical_tokens": physical,
             "bytes": self.nbytes(),
@@ -178,7 +178,7 @@ class SessionStore:
                 version.model,
                 version.tokens,
                 None,
-                version.pending,
+                version.next_input,
                 version.compactions,
                 version.created,
                 version=version,
@@ -305,7 +305,7 @@ class SessionStore:
             id=session.id,
             model=session.model,
             tokens=session.tokens,
-            pending=session.pending,
+            next_input=session.next_input,
             compactions=session.compactions,
             created=session.created,
             length=0,

@@ -2,15 +2,16 @@
 session's cache.
 
 Every answer that reports a change comes after the change is on disk (`SessionStore.persist`,
-run on a worker thread: never on the event loop). Model work (prefilling a session's prompt,
+run on a worker thread, never on the event loop). Model work (prefilling a session's prompt,
 a compaction's query capture) runs in pieces on the model's engine thread between decode steps
-(`BatchWorker.run`); a compaction's fits run on the server's compaction thread, one compaction
+(`EngineThread.run`); a compaction's fits run on the server's compaction thread, one compaction
 at a time, at most `MAX_WAITING_COMPACTIONS` more waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Awaitable
@@ -18,21 +19,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import model_work
-from engine.compactor import compact_row
-from engine.kv_cache import KVCache
+from engine.kv_compaction import compact_row
 from engine.served_model import ServedModel
-from engine.sessions import Session, SessionError, SessionStore, check_id
-from server.completions import encode
-from server.errors import APIError
-from server.schemas import CompactRequest, SessionCreateRequest
+from engine.session_store import Session, SessionError, SessionStore, check_id
+from models.kv_cache import KVCache
+from server import completions
+from server.errors import APIError, error_body
+from server.schemas import CompactRequest, CompletionRequest, SessionCreateRequest
 
 if TYPE_CHECKING:
     from server.app import ServerState
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_WAITING_COMPACTIONS = 4
 # A compaction must shrink what it compacts at least this much (smaller gains are not worth a
@@ -72,17 +74,21 @@ def bytes_per_token(served: ServedModel) -> int:
     )
 
 
-@asynccontextmanager
-async def locked(session: Session, wait: float = 10.0) -> AsyncIterator[None]:
-    """Hold the session's lock; 409 if it stays busy for `wait` seconds."""
-    got = await asyncio.to_thread(session.lock.acquire, True, wait)
-    if not got:
+async def acquire(session: Session, wait: float) -> None:
+    """Take the session's lock; 409 if it stays busy for `wait` seconds."""
+    if not await asyncio.to_thread(session.lock.acquire, True, wait):
         raise APIError(
             409,
             f"session {session.id!r} is busy (a compaction or a completion is running); try again",
             param="session_id",
             code="session_busy",
         )
+
+
+@asynccontextmanager
+async def locked(session: Session, wait: float = 10.0) -> AsyncIterator[None]:
+    """Hold the session's lock (409 if it stays busy for `wait` seconds)."""
+    await acquire(session, wait)
     try:
         yield
     finally:
@@ -116,6 +122,92 @@ async def load_cache(state: ServerState, served: ServedModel, session: Session) 
 async def spill(store: SessionStore) -> None:
     """Keep the session caches in memory within their bound (off the event loop)."""
     await asyncio.to_thread(store.enforce_limit)
+
+
+@asynccontextmanager
+async def using(state: ServerState, session: Session) -> AsyncIterator[None]:
+    """Hold the session's lock while a completion continues it (409 if it stays busy). On the
+    way out, whatever happened (an answer, an abort, a cancelled request), what the engine
+    appended is committed and only then is the lock released, shielded from cancellation: the
+    lock never goes while a write of the session is still running."""
+    await acquire(session, state.settings.session_lock_wait)
+
+    async def finish() -> None:
+        try:
+            await persist(state.sessions, session)
+        except APIError as e:  # the answer already said so, or was never asked for
+            log.warning("session %s not stored: %s", session.id, e.message)
+        finally:
+            session.lock.release()
+        await spill(state.sessions)
+
+    try:
+        yield
+    finally:
+        await unstoppable(finish())
+
+
+async def continue_session(
+    state: ServerState, served: ServedModel, req: CompletionRequest, request: Request
+) -> Response:
+    """POST /v1/completions with `session_id`: continue from the session's cache. With
+    `append`, the grown session is on disk before the answer (or the stream's [DONE])."""
+    session = find(state, req.session_id)
+    if session.model != req.model:
+        raise APIError(
+            400, f"session {session.id!r} belongs to model {session.model!r}", param="model"
+        )
+    if (
+        req.n != 1
+        or not isinstance(req.prompt, str | list)
+        or (isinstance(req.prompt, list) and not all(isinstance(t, int) for t in req.prompt))
+    ):
+        raise APIError(400, "a session completion takes one prompt and n = 1", param="prompt")
+    events = _continuation(state, served, session, req, request)
+    await anext(events)  # admitted, or an error before any response starts
+    if req.stream:
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        return JSONResponse(await anext(events))
+    finally:
+        await events.aclose()
+
+
+async def _continuation(
+    state: ServerState,
+    served: ServedModel,
+    session: Session,
+    req: CompletionRequest,
+    request: Request,
+) -> AsyncIterator[Any]:
+    """Yields None once admitted (the session locked and loaded, the request planned), then
+    the stream's chunks or the one response body."""
+    store = state.sessions
+    async with using(state, session):
+        await load_cache(state, served, session)
+        choices = completions.plan_session(served, req, session)
+        if req.append:
+            grows = len(choices[0].prompt_ids) + choices[0].params.max_tokens
+            try:
+                store.check_room(grows * bytes_per_token(served))
+            except SessionError as e:
+                raise session_error(e, "session_id") from None
+        yield None
+        if not req.stream:
+            body = await completions.until_disconnected(
+                request, completions.complete(served, req, choices, state.metrics)
+            )
+            await persist(store, session)
+            yield body
+            return
+        done = completions.sse("[DONE]")
+        async for chunk in completions.stream(served, req, choices, state.metrics):
+            if chunk == done:  # committed before the client hears it is done
+                try:
+                    await persist(store, session)
+                except APIError as e:
+                    yield completions.sse(error_body(e.status, e.message, e.param))
+            yield chunk
 
 
 class Compactions:
@@ -187,7 +279,11 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
             raise APIError(400, "sessions are for autoregressive models", param="model")
         ids: list[int] = []
         if req.prompt is not None:
-            ids = encode(served, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            ids = (
+                completions.encode(served, req.prompt)
+                if isinstance(req.prompt, str)
+                else list(req.prompt)
+            )
             if any(not 0 <= t < served.config.vocab_size for t in ids):
                 raise APIError(
                     400, "prompt holds a token id outside the vocabulary", param="prompt"
@@ -210,7 +306,7 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
                 async with locked(session, wait):
                     if ids:
                         cache = await asyncio.to_thread(
-                            model_work.prefill, served.model, ids, served.worker.run
+                            model_work.prefill, served.model, ids, served.thread.run
                         )
                         session.rewrite(cache, ids)
                     await persist(store, session)
@@ -300,7 +396,7 @@ async def _compact(
                 req.method,
                 req.query_source,
                 req.keep_recent,
-                on_engine=served.worker.run,
+                on_engine=served.thread.run,
                 omp_budget=state.settings.compaction_omp_budget,
             )
         except ValueError as e:

@@ -1,15 +1,15 @@
-"""Run a batching engine's step loop on its own thread; requests join and leave between steps.
+"""The engine's own thread, and the bridge between it and the server's event loop.
 
-The engine interface is small: `add(seq)`, `step() -> outputs` (each with a `request_id` and a
-`finish_reason` that is set on its last output), `has_work()`. Each request arrives as a
-function that builds its sequence (given an `aborted()` check), and leaves as an async
-iterator of its outputs. A consumer that goes away sets the abort flag; the engine drops the
-sequence at its next step.
+An engine (`engine.interface.Engine`) is only ever used from one thread: this one. Its loop
+admits new sequences, runs one `step`, and hands each request's outputs to the asyncio queue of
+the coroutine waiting for them; a request arrives as a function that builds its sequence (given
+an `aborted()` check), and leaves as an async iterator of its outputs. A consumer that goes away
+sets the abort flag; the engine drops the sequence at its next step.
 
 Model work that is not a sequence (a session's prefill, prompt logprobs, a compaction's query
-capture) is submitted as jobs (`submit`, `call`, `run`): each runs on the engine thread, one
-between two steps, so the model is only ever used from this thread and long work, cut into
-pieces, never stops decoding for longer than one piece.
+capture) is submitted as jobs (`submit`, `call`, `run`): each runs on this thread, one between
+two steps, so the model is only ever used from here and long work, cut into pieces, never stops
+decoding for longer than one piece.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from engine.interface import Engine
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +35,6 @@ class QueueFull(RuntimeError):
 
 
 _DONE = object()
-
-
-class BatchingEngine(Protocol):
-    def add(self, seq: Any) -> None: ...
-    def step(self) -> list[Any]: ...
-    def has_work(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -58,11 +54,11 @@ class _Job:
     result: Future
 
 
-class BatchWorker:
+class EngineThread:
     def __init__(
         self,
         name: str,
-        engine: BatchingEngine,
+        engine: Engine,
         max_queue: int = 256,
         on_step: Callable[[float], None] | None = None,
     ):
@@ -81,11 +77,11 @@ class BatchWorker:
     def waiting(self) -> int:
         """Requests not yet decoding: in the inbox or in the engine's waiting list. Read from
         other threads without a lock: a snapshot, good enough for admission and gauges."""
-        return self._inbox.qsize() + len(getattr(self.engine, "waiting", ()))
+        return self._inbox.qsize() + self.engine.num_waiting()
 
     @property
     def running(self) -> int:
-        return max(0, len(self._live) - len(getattr(self.engine, "waiting", ())))
+        return self.engine.num_running()
 
     def full(self) -> bool:
         return self.waiting >= self.max_queue
@@ -226,9 +222,7 @@ class BatchWorker:
             self._send(req, error)
             self._send(req, _DONE)
         self._live.clear()
-        reset = getattr(self.engine, "reset", None)
-        if reset is not None:
-            reset()
+        self.engine.reset()
 
     @staticmethod
     def _send(req: _Request, value: Any) -> None:

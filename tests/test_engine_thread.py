@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.scheduler import BatchWorker
+from engine.engine_thread import EngineThread
 
 
 @dataclass
@@ -29,6 +29,18 @@ class CountingEngine:
     def has_work(self) -> bool:
         return bool(self.running)
 
+    def num_waiting(self) -> int:
+        return 0
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def kv_usage(self) -> float:
+        return 0.0
+
+    def reset(self) -> None:
+        self.running.clear()
+
     def step(self) -> list[Out]:
         self.steps += 1
         outs = []
@@ -43,15 +55,15 @@ class CountingEngine:
 
 def test_jobs_take_turns_with_decode_steps():
     engine = CountingEngine()
-    worker = BatchWorker("w", engine)
-    worker.run(lambda: engine.add(["long", 10**12]))  # something is decoding, for good
-    futures = [worker.submit(lambda: engine.steps) for _ in range(20)]  # all queued at once
+    thread = EngineThread("w", engine)
+    thread.run(lambda: engine.add(["long", 10**12]))  # something is decoding, for good
+    futures = [thread.submit(lambda: engine.steps) for _ in range(20)]  # all queued at once
     seen = [f.result(timeout=30) for f in futures]
     # A step ran between every two jobs: queued together, they still never run in one go.
     assert all(b > a for a, b in itertools.pairwise(seen)), seen
     with pytest.raises(ZeroDivisionError):  # a job's error reaches its caller
-        worker.run(lambda: 1 / 0)
-    worker.run(engine.running.clear)
-    worker.shutdown(timeout=10)
+        thread.run(lambda: 1 / 0)
+    thread.run(engine.running.clear)
+    thread.shutdown(timeout=10)
     with pytest.raises(RuntimeError, match=r"shutting down|stopped"):
-        worker.run(lambda: 1)
+        thread.run(lambda: 1)

@@ -13,8 +13,9 @@
      its queries and its attention.
    Queries that come after the context are the useful reference: they are what later requests
    look like, and a bias fitted to the context's own queries does not carry over to them.
-2. Per layer and KV head, `engine.compaction.compact_head` on the region [0, T - keep_recent)
-   (which may already hold compacted slots with biases: compaction composes).
+2. Per layer and KV head, `engine.attention_matching.compact_head` on the region
+   [0, T - keep_recent) (which may already hold compacted slots with biases: compaction
+   composes).
 3. `KVCache.replace_prefix`: t slots stand for the region; the logical length is unchanged, so
    later tokens keep their RoPE positions.
 
@@ -39,8 +40,14 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from engine.compaction import METHODS, HeadInputs, OmpBudget, compact_head, relative_output_error
-from engine.kv_cache import KVCache
+from engine.attention_matching import (
+    METHODS,
+    HeadInputs,
+    OmpBudget,
+    compact_head,
+    relative_output_error,
+)
+from models.kv_cache import KVCache
 from models.transformer import Transformer, new_capture
 
 QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
@@ -124,8 +131,8 @@ def _stages(model: Transformer, ids: list[int], cache: KVCache | None = None, ro
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
         return model.forward_stages(tokens)
-    cache.ensure_capacity(cache.lengths[row] + len(ids))  # before the view: views share buffers
-    return model.forward_stages(tokens, cache=cache.rows(row, row + 1), commit=False)
+    cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
+    return model.forward_stages(tokens, cache=cache, rows=(row, row + 1), commit=False)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
