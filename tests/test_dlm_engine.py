@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def _run(engine: DLMEngine, prompt: list[int], **kw):
 def _reference_block_logits(engine, seq, pattern) -> torch.Tensor:
     """Full recompute of prompt + answer so far (masks included) under `pattern`."""
     model = engine.model
-    p, start, size = len(seq.prompt), seq.block_start, seq.size
+    p, start, size = len(seq.prompt), seq.block_start, seq.block_size
     upto = p + start + size if pattern.kind == "block_causal" else p + seq.gen_len
     ids = torch.cat([torch.tensor(seq.prompt), seq.answer])[:upto]
     logits = model.token_logits(model(ids[None], pattern=pattern))[0]
@@ -47,7 +49,7 @@ def test_cdlm_step_logits_equal_full_block_causal_recompute(engine, threshold):
     diffs = []
 
     def check(seq, logits):
-        pattern = AttentionPattern.block_causal(seq.size, len(seq.prompt))
+        pattern = AttentionPattern.block_causal(seq.block_size, len(seq.prompt))
         diffs.append((logits - _reference_block_logits(engine, seq, pattern)).abs().max().item())
 
     engine.on_step = check
@@ -64,13 +66,8 @@ def test_fast_dllm_refresh_passes_are_exact(engine):
     diffs = []
 
     def check(seq, logits):
-        if (
-            seq.size
-            - int(
-                (seq.answer[seq.block_start : seq.block_start + seq.size] == engine.mask_id).sum()
-            )
-            == 0
-        ):  # first step of the block
+        block = seq.answer[seq.block_start : seq.block_start + seq.block_size]
+        if bool((block == engine.mask_id).all()):  # first step of the block
             ref = _reference_block_logits(engine, seq, AttentionPattern.bidirectional())
             diffs.append((logits - ref).abs().max().item())
 
@@ -298,3 +295,20 @@ def test_a_stop_string_mid_block_counts_only_what_was_returned(engine, decoding)
             assert got_ids == ids[: k + 1]  # not the whole 16-token block
             return
     pytest.skip("no usable stop character in 20 random answers")
+
+
+def test_cdlm_prompts_joining_together_prefill_in_one_forward(engine):
+    params = DLMParams(max_tokens=16, block_size=8, decoding="cdlm", ignore_eos=True)
+    alone = [_run(engine, _prompt(n, n), **dataclasses.asdict(params))[0] for n in (3, 9, 6)]
+    before = engine.forward_passes
+    seqs = [engine.new_sequence(str(n), _prompt(n, n), params) for n in (3, 9, 6)]
+    for seq in seqs:
+        engine.add(seq)
+    outs: dict[str, list[int]] = {s.id: [] for s in seqs}
+    for out in engine.step():
+        outs[out.request_id] += out.token_ids
+    assert engine.forward_passes - before == 2  # one prefill for the three, one block step
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id] += out.token_ids
+    assert [outs[str(n)] for n in (3, 9, 6)] == alone

@@ -1,0 +1,77 @@
+"""A diffusion-LM request as the engine holds it: its parameters, its answer being unmasked
+block by block, and one sequence's part of a batched forward pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from engine.text_output import TextAssembler
+
+Decoding = Literal["cdlm", "fast_dllm", "vanilla"]
+
+
+@dataclass(slots=True)
+class DLMParams:
+    max_tokens: int
+    decoding: Decoding = "cdlm"
+    block_size: int = 32
+    threshold: float = 0.9
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class DLMSequence:
+    id: str
+    prompt: list[int]
+    params: DLMParams
+    answer: Tensor  # [gen_len] int64, mask id where not yet final
+    text: TextAssembler
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    block: int = 0  # index of the block being decoded
+    steps: int = 0
+    row: int = -1  # row in its mode's KV cache (cdlm, fast_dllm)
+    commit_previous_block: bool = False  # cdlm: the previous block is final, not yet cached
+    refresh: bool = True  # fast_dllm: the next pass is a full refresh of the cache
+    # [V] logits predicting the current block's first token (Dream: the hidden state before
+    # the block predicts it, and a pass over the block alone does not compute that state).
+    first_logits: Tensor | None = None
+    emitted: int = 0  # answer tokens already handed out
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    tokens_per_step: list[int] = field(default_factory=list)
+    aborted: Callable[[], bool] = lambda: False
+
+    @property
+    def block_size(self) -> int:
+        return self.params.block_size
+
+    @property
+    def gen_len(self) -> int:
+        return self.answer.shape[0]
+
+    @property
+    def block_start(self) -> int:
+        """Answer index of the current block's first token."""
+        return self.block * self.block_size
+
+
+@dataclass(slots=True)
+class BlockPass:
+    """One sequence's part of a batched forward pass."""
+
+    seq: DLMSequence
+    tokens: Tensor  # [Q] the tokens this pass runs
+    commit: int  # how many of them become permanent in the cache
+    offset: int  # query index of the current block's first token
