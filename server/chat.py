@@ -10,17 +10,18 @@ from typing import Any
 from engine.served_model import ServedModel
 from server.completions import (
     Choice,
+    StreamHead,
     UsageCount,
     encode,
+    framed,
     new_id,
     plan_choices,
     record,
     reject_unsupported,
     run_choices,
-    sse,
     usage,
 )
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest
 
@@ -114,60 +115,36 @@ async def complete(
     }
 
 
-async def stream(
+def stream(
     served: ServedModel,
     req: ChatCompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
 ) -> AsyncIterator[str]:
-    started = time.perf_counter()
-    cid, created = new_id("chatcmpl"), int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def chunk(index: int, delta: dict, finish: str | None, logprobs: list | None = None) -> str:
-        body = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": served.name,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": {"content": logprobs} if req.logprobs else None,
-                    "finish_reason": finish,
-                }
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
+    head = StreamHead.new(served, req, "chat.completion.chunk", "chatcmpl")
     tally = UsageCount()
-    try:
-        for c in choices:  # the role comes first, as OpenAI sends it
-            yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
-        async for i, out in run_choices(served, choices):
-            tally.add(out)
-            lps = _content_logprobs(served.tokenizer, out.logprobs)
-            if out.text or out.finish_reason or lps:
-                delta = {"content": out.text} if out.text else {}
-                yield chunk(choices[i].index, delta, out.finish_reason, lps)
-    except APIError as e:
-        yield sse(error_body(e.status, e.message, e.param, e.code))
-    finally:
-        # Also when the client went away mid-stream (the generator is closed): an abort.
-        body = usage(served, choices, req.n, tally)
-        record(metrics, served, body, tally, started, len(choices))
-    if include_usage:
-        yield sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": served.name,
-                "choices": [],
-                "usage": body,
-            }
-        )
-    yield sse("[DONE]")
+    return framed(
+        served, req, choices, metrics, head, tally, _chunks(served, req, choices, head, tally)
+    )
+
+
+async def _chunks(
+    served: ServedModel,
+    req: ChatCompletionRequest,
+    choices: list[Choice],
+    head: StreamHead,
+    tally: UsageCount,
+) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict, finish: str | None, logprobs: list | None = None) -> str:
+        content = {"content": logprobs} if req.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
+        return head.chunk(choice)
+
+    for c in choices:  # the role comes first, as OpenAI sends it
+        yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
+    async for i, out in run_choices(served, choices):
+        tally.add(out)
+        lps = _content_logprobs(served.tokenizer, out.logprobs)
+        if out.text or out.finish_reason or lps:
+            delta = {"content": out.text} if out.text else {}
+            yield chunk(choices[i].index, delta, out.finish_reason, lps)

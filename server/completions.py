@@ -424,65 +424,102 @@ async def _start_logprobs(
     return lp
 
 
-async def stream(
+@dataclass(slots=True)
+class StreamHead:
+    """What every chunk of one stream carries besides its choice."""
+
+    id: str
+    object: str  # "text_completion" | "chat.completion.chunk"
+    created: int
+    model: str
+    include_usage: bool  # every chunk says "usage": null, the last one the usage
+
+    @classmethod
+    def new(cls, served: ServedModel, req: Any, obj: str, prefix: str) -> StreamHead:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return cls(new_id(prefix), obj, int(time.time()), served.name, include_usage)
+
+    def body(self, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choice: dict) -> str:
+        body = self.body([choice])
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+
+async def framed(
+    served: ServedModel,
+    req: Any,
+    choices: list[Choice],
+    metrics: Metrics | None,
+    head: StreamHead,
+    tally: UsageCount,
+    chunks: AsyncIterator[str],
+) -> AsyncIterator[str]:
+    """A stream's chunks, then its end: an error becomes an error event, usage is counted and
+    recorded even when the client goes away (the generator is closed: an abort), then the
+    usage chunk if it was asked for, then [DONE]."""
+    started = time.perf_counter()
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as e:
+        yield sse(error_body(e.status, e.message, e.param, e.code))
+    finally:
+        body = usage(served, choices, req.n, tally)
+        record(metrics, served, body, tally, started, len(choices))
+    if head.include_usage:
+        yield sse({**head.body([]), "usage": body})
+    yield sse("[DONE]")
+
+
+def stream(
     served: ServedModel,
     req: CompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
 ) -> AsyncIterator[str]:
-    started = time.perf_counter()
-    cid, created = new_id(), int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> str:
-        body = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": served.name,
-            "choices": [
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
+    head = StreamHead.new(served, req, "text_completion", "cmpl")
     tally = UsageCount()
+    return framed(
+        served, req, choices, metrics, head, tally, _chunks(served, req, choices, head, tally)
+    )
+
+
+async def _chunks(
+    served: ServedModel,
+    req: CompletionRequest,
+    choices: list[Choice],
+    head: StreamHead,
+    tally: UsageCount,
+) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return head.chunk(choice)
+
     logprobs = {}
-    try:
+    for i, c in enumerate(choices):
+        logprobs[i] = await _start_logprobs(served, req, c)
+    if req.echo:
         for i, c in enumerate(choices):
-            logprobs[i] = await _start_logprobs(served, req, c)
-        if req.echo:
-            for i, c in enumerate(choices):
-                lp = logprobs[i]
-                yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
-        sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
-        async for i, out in run_choices(served, choices):
-            tally.add(out)
             lp = logprobs[i]
-            if lp is not None:
-                lp.add_outputs(out.logprobs)
-            if out.text or out.finish_reason or out.token_ids:
-                body = None if lp is None else lp.body(sent[i])
-                sent[i] = len(lp.tokens) if lp else 0
-                if out.text or out.finish_reason or body:
-                    yield chunk(choices[i].index, out.text, out.finish_reason, body)
-    except APIError as e:
-        yield sse(error_body(e.status, e.message, e.param, e.code))
-    finally:
-        # Also when the client went away mid-stream (the generator is closed): an abort.
-        body = usage(served, choices, req.n, tally)
-        record(metrics, served, body, tally, started, len(choices))
-    if include_usage:
-        yield sse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": served.name,
-                "choices": [],
-                "usage": body,
-            }
-        )
-    yield sse("[DONE]")
+            yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
+    sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
+    async for i, out in run_choices(served, choices):
+        tally.add(out)
+        lp = logprobs[i]
+        if lp is not None:
+            lp.add_outputs(out.logprobs)
+        if out.text or out.finish_reason or out.token_ids:
+            body = None if lp is None else lp.body(sent[i])
+            sent[i] = len(lp.tokens) if lp else 0
+            if out.text or out.finish_reason or body:
+                yield chunk(choices[i].index, out.text, out.finish_reason, body)

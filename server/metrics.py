@@ -38,106 +38,94 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
         model = ["model_name"]
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Number of prefill tokens processed.", model, registry=r
+
+        def histogram(name: str, doc: str, labels: list[str], buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.", model)
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed.", model
         )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens",
-            "Number of generation tokens processed.",
-            model,
-            registry=r,
-        )
-        self.request_success = Counter(
-            PREFIX + "request_success",
+        self.request_success = counter(
+            "request_success",
             "Count of successfully processed requests.",
             [*model, "finished_reason"],
-            registry=r,
         )
-        self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
             model,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             model,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+        self.itl = histogram(
+            "inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
             model,
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
-        self.request_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens",
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens",
             "Number of prefill tokens processed.",
             model,
-            buckets=REQUEST_TOKENS_BUCKETS,
-            registry=r,
+            REQUEST_TOKENS_BUCKETS,
         )
-        self.request_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens",
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
             "Number of generation tokens processed.",
             model,
-            buckets=REQUEST_TOKENS_BUCKETS,
-            registry=r,
+            REQUEST_TOKENS_BUCKETS,
         )
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             model,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.compaction_seconds = Histogram(
-            PREFIX + "compaction_seconds",
+        self.compaction_seconds = histogram(
+            "compaction_seconds",
             "Wall time of one KV-cache compaction.",
             ["method"],
-            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-            registry=r,
+            (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
-        self.compaction_ratio = Histogram(
-            PREFIX + "compaction_ratio",
+        self.compaction_ratio = histogram(
+            "compaction_ratio",
             "Physical cache size before / after a compaction.",
             ["method"],
-            buckets=(1, 1.5, 2, 3, 5, 10, 20, 50, 100, 200),
-            registry=r,
+            (1, 1.5, 2, 3, 5, 10, 20, 50, 100, 200),
         )
-        self.dlm_steps = Histogram(
-            PREFIX + "dlm_steps_per_request",
+        self.dlm_steps = histogram(
+            "dlm_steps_per_request",
             "Forward passes (denoising steps, the prefill included) a diffusion request took.",
             [*model, "decoding"],
-            buckets=STEPS_BUCKETS,
-            registry=r,
+            STEPS_BUCKETS,
         )
-        self.dlm_tokens_per_step = Histogram(
-            PREFIX + "dlm_tokens_per_step",
+        self.dlm_tokens_per_step = histogram(
+            "dlm_tokens_per_step",
             "Tokens finalized by one denoising step.",
             [*model, "decoding"],
-            buckets=TOKENS_PER_STEP_BUCKETS,
-            registry=r,
+            TOKENS_PER_STEP_BUCKETS,
         )
-        self.dlm_e2e_latency = Histogram(
-            PREFIX + "dlm_e2e_request_latency_seconds",
+        self.dlm_e2e_latency = histogram(
+            "dlm_e2e_request_latency_seconds",
             "End to end latency of diffusion requests in seconds.",
             [*model, "decoding"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.dlm_step_latency = Histogram(
-            PREFIX + "dlm_step_latency_seconds",
+        self.dlm_step_latency = histogram(
+            "dlm_step_latency_seconds",
             "Wall time of one batched denoising step.",
             model,
-            buckets=STEP_LATENCY_BUCKETS,
-            registry=r,
+            STEP_LATENCY_BUCKETS,
         )
 
     def observe_request(

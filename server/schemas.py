@@ -27,15 +27,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Unknown fields are ignored, as OpenAI-compatible servers do;
-    known fields must have the right JSON type (a string is not a number)."""
+class GenerationRequest(BaseModel):
+    """What completions and chat completions share: the model, sampling, stopping, streaming
+    and our extensions. Unknown fields are ignored, as OpenAI-compatible servers do; known
+    fields must have the right JSON type (a string is not a number)."""
 
     model_config = STRICT
 
     model: str
-    prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
@@ -43,23 +42,15 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
     user: str | None = None
-    # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
     # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
     ignore_eos: bool = False
+    # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
     decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)
-    # Extensions for sessions: continue from a session's KV cache, and append this prompt and
-    # its completion to it (unless append is false).
-    session_id: str | None = session_id_field()
-    append: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -74,6 +65,21 @@ class CompletionRequest(BaseModel):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    # Extensions for sessions: continue from a session's KV cache, and append this prompt and
+    # its completion to it (unless append is false).
+    session_id: str | None = session_id_field()
+    append: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -105,36 +111,16 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions (text only)."""
 
-    model_config = STRICT
-
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     tools: list[dict] | None = None
     response_format: dict | None = None
-    user: str | None = None
-    # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
-    ignore_eos: bool = False
-    decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
-    block_size: int | None = Field(None, ge=1, le=1024)
-    threshold: float | None = Field(None, ge=0.0)
-
-    _stop_list = field_validator("stop")(CompletionRequest._stop_list.__func__)
 
 
 class Usage(BaseModel):
