@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.served_model import ServedModel, load_served_model
 from engine.session_store import SessionStore
 from models.fetch import serve_home
-from server import chat, completions, sessions_api
+from server import chat, completions, planning, sessions_api, streaming
 from server.errors import APIError, error_body, error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
 from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -279,7 +279,7 @@ def create_app(
         served = state.get(req.model)
         if req.session_id is not None:
             return await sessions_api.continue_session(state, served, req, request)
-        choices = completions.plan_completion(served, req)
+        choices = planning.plan_completion(served, req)
         if req.stream:
             return StreamingResponse(
                 completions.stream(served, req, choices, state.metrics),
@@ -287,7 +287,7 @@ def create_app(
             )
         # Returned as built (the response_model documents the shape): usage.steps is present
         # for diffusion models only, and logprobs is an explicit null.
-        body = await completions.until_disconnected(
+        body = await streaming.until_disconnected(
             request, completions.complete(served, req, choices, state.metrics)
         )
         return JSONResponse(body)
@@ -300,7 +300,7 @@ def create_app(
             return StreamingResponse(
                 chat.stream(served, req, choices, state.metrics), media_type="text/event-stream"
             )
-        body = await completions.until_disconnected(
+        body = await streaming.until_disconnected(
             request, chat.complete(served, req, choices, state.metrics)
         )
         return JSONResponse(body)

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.served_model import ServedModel
-from server.completions import (
+from server.errors import APIError
+from server.metrics import Metrics
+from server.planning import (
     Choice,
-    StreamHead,
     UsageCount,
     encode,
-    framed,
     new_id,
     plan_choices,
     record,
@@ -21,9 +21,8 @@ from server.completions import (
     run_choices,
     usage,
 )
-from server.errors import APIError
-from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest
+from server.streaming import StreamHead, framed
 
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:

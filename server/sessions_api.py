@@ -27,7 +27,7 @@ from engine.kv_compaction import compact_row
 from engine.served_model import ServedModel
 from engine.session_store import Session, SessionError, SessionStore, check_id
 from models.kv_cache import KVCache
-from server import completions
+from server import completions, planning, streaming
 from server.errors import APIError, error_body
 from server.schemas import CompactRequest, CompletionRequest, SessionCreateRequest
 
@@ -185,7 +185,7 @@ async def _continuation(
     store = state.sessions
     async with using(state, session):
         await load_cache(state, served, session)
-        choices = completions.plan_session(served, req, session)
+        choices = planning.plan_session(served, req, session)
         if req.append:
             grows = len(choices[0].prompt_ids) + choices[0].params.max_tokens
             try:
@@ -194,19 +194,19 @@ async def _continuation(
                 raise session_error(e, "session_id") from None
         yield None
         if not req.stream:
-            body = await completions.until_disconnected(
+            body = await streaming.until_disconnected(
                 request, completions.complete(served, req, choices, state.metrics)
             )
             await persist(store, session)
             yield body
             return
-        done = completions.sse("[DONE]")
+        done = streaming.sse("[DONE]")
         async for chunk in completions.stream(served, req, choices, state.metrics):
             if chunk == done:  # committed before the client hears it is done
                 try:
                     await persist(store, session)
                 except APIError as e:
-                    yield completions.sse(error_body(e.status, e.message, e.param))
+                    yield streaming.sse(error_body(e.status, e.message, e.param))
             yield chunk
 
 
@@ -280,7 +280,7 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
         ids: list[int] = []
         if req.prompt is not None:
             ids = (
-                completions.encode(served, req.prompt)
+                planning.encode(served, req.prompt)
                 if isinstance(req.prompt, str)
                 else list(req.prompt)
             )

@@ -197,7 +197,7 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
     mask or score matrix over all [B, H, Q, K] at once, and computes the same thing."""
     import torch.nn.functional as F
 
-    from models import transformer
+    from models import layers
 
     _, model = llama_pair
     ids = _ids(40)
@@ -210,7 +210,7 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
                 bias[0, :, :30] = torch.linspace(-2, 1, 30)
         whole = model(ids[:, 30:], cache=cache, commit=False)
         budget = 4 * 2 * 4 * 40  # 4 query rows x 4 heads x 40 keys (x 2 for headroom)
-        monkeypatch.setattr(transformer, "ATTENTION_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(layers, "ATTENTION_CHUNK_ELEMENTS", budget)
         seen: list[int] = []
         sdpa = F.scaled_dot_product_attention
 
@@ -227,7 +227,7 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
 
 
 def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypatch):
-    from models import transformer
+    from models import layers
 
     _, model = llama_pair
     ids = _ids(40)
@@ -235,8 +235,8 @@ def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypa
         cache = model.new_cache(1, 128)
         model(ids[:, :25], cache=cache)
         whole = model(ids[:, 25:], cache=cache, commit=False)
-        monkeypatch.setattr(transformer, "ATTENTION_CHUNK_ELEMENTS", 4 * 40)  # 1 row x 4 heads
-        monkeypatch.setattr(transformer, "STAGE_MLP_TOKENS", 4)
+        monkeypatch.setattr(layers, "ATTENTION_CHUNK_ELEMENTS", 4 * 40)  # 1 row x 4 heads
+        monkeypatch.setattr(layers, "STAGE_MLP_TOKENS", 4)
         stages = model.forward_stages(ids[:, 25:], cache=cache, commit=False)
         items = []
         try:

@@ -1,0 +1,233 @@
+"""The blocks the transformer is built of: projections, norms, attention, MLP, a pre-norm
+block. Attention works on explicit masks and per-key biases (`models.attention`) and writes its
+new keys and values into the model's KV cache (`models.kv_cache`); it can run in query chunks,
+pausing between them (`Attention.attend(pause=True)`), for forwards spread over pieces of work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models import kernels
+from models.attention import AttentionMask, with_key_bias
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+
+# Attention with an explicit mask runs in query chunks whose [B, H, chunk, K] mask and scores
+# stay under this many elements (64 MB in fp32), however long the sequence and the cache.
+ATTENTION_CHUNK_ELEMENTS = 1 << 24
+# A staged forward (`Transformer.forward_stages`) runs its MLPs this many tokens per piece.
+STAGE_MLP_TOKENS = 1024
+
+
+def run_through(work: Generator[None, None, Tensor]) -> Tensor:
+    """The result of a generator that does not pause."""
+    try:
+        next(work)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("unexpected pause")
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `models.kernels.linear` (decode-friendly paths)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        kw = {"device": device, "dtype": dtype}
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+        capture: list[Tensor] | None = None,
+    ) -> Tensor:
+        """x [B, Q, hidden] -> [B, Q, hidden]. With `capture`, the post-RoPE queries
+        [B, H, Q, D] (fp32) are appended to it (Attention Matching's reference queries)."""
+        q, k, v = self.project(x, cos, sin)
+        if capture is not None:
+            capture.append(q.detach().float().clone())
+        return run_through(self.attend(q, k, v, mask, cache, layer))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, Q, hidden] -> post-RoPE q [B, H, Q, D], k and v [B, Hkv, Q, D]."""
+        batch, q_len, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [B, Q, (H + 2Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = qkv[..., : (h + hkv) * d].view(batch, q_len, h + hkv, d)
+            normed = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
+            qkv = torch.cat([normed.flatten(2), qkv[..., (h + hkv) * d :]], dim=-1)
+        # q and k rotate together: one pass instead of two.
+        qkv = kernels.rotate_qk(qkv, cos, sin, h + hkv, d)
+        q = qkv[..., : h * d].view(batch, q_len, h, d).transpose(1, 2)  # [B, H, Q, D]
+        k = qkv[..., h * d : (h + hkv) * d].view(batch, q_len, hkv, d).transpose(1, 2)
+        v = qkv[..., (h + hkv) * d :].view(batch, q_len, hkv, d).transpose(1, 2)  # [B,Hkv,Q,D]
+        return q, k, v
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+        pause: bool = False,
+    ) -> Generator[None, None, Tensor]:
+        """The new tokens' q [B, H, Q, D] and k, v [B, Hkv, Q, D] (written to the cache first,
+        when there is one) -> attention output through o_proj, [B, Q, hidden]. A generator:
+        with `pause`, it runs in query chunks and yields None between them (a long forward's
+        attention as pieces of bounded work); without, it never yields (`run_through`)."""
+        k, v, bias = self._keys(k, v, mask, cache, layer)
+        aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
+        if not pause and bias is None and mask.visible is None and aligned:
+            out = F.scaled_dot_product_attention(  # SDPA's own kernels, no mask
+                q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
+            )
+            return self._output(out)
+        outs = []
+        for chunk in self._query_chunks(q, k):
+            if outs and pause:
+                yield None
+            outs.append(self._sdpa_rows(q, k, v, mask, bias, *chunk))
+        return self._output(torch.cat(outs, dim=2))
+
+    @property
+    def _gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    def _keys(
+        self, k: Tensor, v: Tensor, mask: AttentionMask, cache: KVCache | None, layer: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Keys and values to attend to, [B, Hkv, K, D], and their bias [B, Hkv, K] or None."""
+        if cache is None:
+            return k, v, None
+        k, v = cache.write(layer, k, v)  # committed slots + these tokens
+        return k, v, cache.key_bias(layer, mask.key_len)
+
+    def _output(self, out: Tensor) -> Tensor:
+        batch, h, q_len, d = out.shape  # [B, H, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d))
+
+    @staticmethod
+    def _query_chunks(q: Tensor, k: Tensor) -> list[tuple[int, int]]:
+        """Query rows [start, stop) whose [B, H, rows, K] mask and scores stay under
+        ATTENTION_CHUNK_ELEMENTS: an explicit mask (a per-key bias on compacted slots, or a
+        visibility mask) would otherwise make SDPA build a float mask and a score matrix over
+        all of [B, H, Q, K], gigabytes for a long sequence over a long cache."""
+        batch, h, q_len, _ = q.shape
+        rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * h * k.shape[2]))
+        return [(start, min(q_len, start + rows)) for start in range(0, q_len, rows)]
+
+    def _sdpa_rows(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        bias: Tensor | None,
+        start: int,
+        stop: int,
+    ) -> Tensor:
+        """SDPA of query rows [start, stop) -> [B, H, stop - start, D]."""
+        h, q_len = q.shape[1], q.shape[2]
+        part = mask.rows(start, stop, q_len, q.device)
+        attn_mask = part.visible
+        if bias is not None:
+            attn_mask = with_key_bias(part, bias, stop - start, h, q.dtype)
+        return F.scaled_dot_product_attention(
+            q[:, :, start:stop], k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=self._gqa
+        )
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, **kw)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.attn = Attention(cfg, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+
+    def forward(
+        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, capture=None
+    ) -> tuple[Tensor, Tensor]:
+        """Pre-norm block on the residual stream. Returns (this block's MLP output, the
+        residual stream before it): the add happens inside the next norm, fused."""
+        h, residual = self._attention_input(x, residual)
+        h = self.attn(h, cos, sin, mask, cache, layer, capture)
+        return self._after_attention(h, residual)
+
+    def stages(
+        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer
+    ) -> Generator[Tensor | None, None, tuple[Tensor, Tensor]]:
+        """forward() in pieces: yields the post-RoPE queries [B, H, Q, D] before attending
+        (the caller may change this layer's cache slots meanwhile), then None between the
+        query chunks of its attention and the token chunks of its MLP, then finishes."""
+        h, residual = self._attention_input(x, residual)
+        q, k, v = self.attn.project(h, cos, sin)
+        yield q
+        h = yield from self.attn.attend(q, k, v, mask, cache, layer, pause=True)
+        h, residual = self.mlp_norm.add_forward(h, residual)
+        outs = []
+        for start in range(0, h.shape[1], STAGE_MLP_TOKENS):  # per token: any split is exact
+            yield None
+            outs.append(self.mlp(h[:, start : start + STAGE_MLP_TOKENS]))
+        return torch.cat(outs, dim=1), residual
+
+    def _attention_input(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            return self.attn_norm(x), x
+        return self.attn_norm.add_forward(x, residual)
+
+    def _after_attention(self, h: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        h, residual = self.mlp_norm.add_forward(h, residual)
+        return self.mlp(h), residual

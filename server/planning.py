@@ -1,0 +1,304 @@
+"""What a request becomes for the engine, shared by completions and chat: one `Choice` per
+(prompt, sample), planned with every limit checked up front (`plan_choices`), all submitted
+at once so the engine batches them (`run_choices`), and counted for usage and metrics
+(`UsageCount`, `usage`, `record`)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.dlm_engine import DLMParams
+from engine.engine_thread import QueueFull
+from engine.interface import EngineOutput
+from engine.sampling import SamplingParams
+from engine.served_model import ServedModel
+from engine.session_store import Session
+from server.errors import APIError
+from server.metrics import Metrics
+from server.request_limits import MAX_CHOICES
+from server.schemas import CompletionRequest
+
+DLM_OPTIONS = ("decoding", "block_size", "threshold")
+
+
+@dataclass(slots=True)
+class Choice:
+    """One (prompt, sample) pair of a request: `n` choices per prompt, in OpenAI's order."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams | DLMParams
+    session: Session | None = None  # continue from this session's cache
+    append: bool = True
+
+
+@dataclass(slots=True)
+class UsageCount:
+    """What a request produced, for usage and metrics."""
+
+    completion_tokens: int = 0
+    steps: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def add(self, out: EngineOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if out.finish_reason is not None:
+            self.reasons.append(out.finish_reason)
+            self.steps += out.steps or 0
+
+
+# ---- planning --------------------------------------------------------------------------------
+def reject_unsupported(served: ServedModel, req: Any, unsupported: dict[str, bool]) -> None:
+    if served.is_diffusion:
+        if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
+            unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
+    else:
+        unsupported |= {k: getattr(req, k, None) is not None for k in DLM_OPTIONS}
+    for param, used in unsupported.items():
+        if used:
+            reason = "only for diffusion models" if param in DLM_OPTIONS else "by this server yet"
+            if param == "logprobs" and served.is_diffusion:
+                reason = "for diffusion models"
+            raise APIError(400, f"{param} is not supported {reason}", param=param)
+
+
+def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
+    try:
+        return served.encode(text)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+
+
+def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
+    """Each prompt of a request (string, list of strings, token ids, list of id lists) as
+    (token ids, text)."""
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    vocab = served.config.vocab_size
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            ids = encode(served, p)
+            if not ids and served.config.bos_token_id is not None:
+                ids = [int(served.config.bos_token_id)]
+            if not ids:
+                raise APIError(400, "prompt is empty", param="prompt")
+            out.append((ids, p))
+        else:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
+                )
+            out.append((list(p), served.tokenizer.decode(p)))
+    return out
+
+
+def _context_error(limit: int, prompt: int, wanted: int, note: str = "") -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the completion{note}). "
+        "Please reduce the prompt or max_tokens.",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
+
+
+def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, logprobs: int | None):
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    stop = list(req.stop or [])
+    if not served.is_diffusion:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
+        )
+    engine = served.engine
+    return DLMParams(
+        max_tokens=max_tokens,
+        decoding=req.decoding or "cdlm",
+        block_size=req.block_size or engine.block_size,
+        threshold=engine.threshold if req.threshold is None else req.threshold,
+        # Diffusion decoding is greedy unless the request sets a temperature itself.
+        temperature=temperature if "temperature" in req.model_fields_set else 0.0,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def plan_choices(
+    served: ServedModel,
+    req: Any,
+    prompts: list[tuple[list[int], str]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[Choice]:
+    limit = served.max_model_len
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices per request",
+            param="n",
+        )
+    choices = []
+    for i, (ids, text) in enumerate(prompts):
+        room = limit - len(ids)
+        wanted = max_tokens if max_tokens is not None else room
+        if wanted > room or room < 1:
+            raise _context_error(limit, len(ids), wanted)
+        for j in range(req.n):
+            seed = None if req.seed is None else req.seed + j
+            params = _params(served, req, wanted, seed, logprobs)
+            if isinstance(params, DLMParams):
+                # The engine decodes whole blocks: the rounded-up budget must fit too.
+                budget = math.ceil(wanted / params.block_size) * params.block_size
+                if budget > room:
+                    raise _context_error(
+                        limit, len(ids), budget, ", max_tokens rounded up to whole blocks"
+                    )
+            choices.append(Choice(i * req.n + j, ids, text, params))
+    return choices
+
+
+def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]:
+    reject_unsupported(
+        served,
+        req,
+        {
+            "suffix": req.suffix is not None,
+            "best_of": req.best_of is not None and req.best_of != req.n,
+            "presence_penalty": req.presence_penalty != 0.0,
+            "frequency_penalty": req.frequency_penalty != 0.0,
+            "logprobs": served.is_diffusion and req.logprobs is not None,
+        },
+    )
+    return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
+
+
+def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
+    """One choice continuing from a session: the session's next input token (sampled last time,
+    never run through the model) comes first."""
+    reject_unsupported(
+        served,
+        req,
+        {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
+    )
+    ((ids, text),) = prompt_ids(served, req.prompt)
+    if session.next_input is not None:
+        ids = [session.next_input, *ids]
+    room = served.max_model_len - session.logical_length - len(ids)
+    wanted = req.max_tokens if req.max_tokens is not None else room
+    if wanted > room or room < 1:
+        raise _context_error(served.max_model_len, session.logical_length + len(ids), wanted)
+    params = _params(served, req, wanted, req.seed, None)
+    return [Choice(0, ids, text, params, session, req.append)]
+
+
+# ---- running ---------------------------------------------------------------------------------
+async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
+    """The engine outputs of one choice, in order; the last carries the finish reason."""
+
+    def build(request_id: str, aborted: Callable[[], bool]) -> Any:
+        return served.engine.new_sequence(
+            request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
+        )
+
+    try:
+        async for out in served.thread.stream(build):
+            yield out
+    except QueueFull as e:
+        raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+    except ValueError as e:  # the engine refused the request (limits it checks itself)
+        raise APIError(400, str(e)) from None
+
+
+async def run_choices(served: ServedModel, choices: list[Choice]) -> AsyncIterator[tuple[int, Any]]:
+    """All choices at once (the engine batches them); (choice index, output) as they come."""
+    if len(choices) == 1:
+        async for out in run_choice(served, choices[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, choice: Choice) -> None:
+        try:
+            async for out in run_choice(served, choice):
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:  # the client went away or a choice failed: stop the others too
+            t.cancel()
+
+
+def new_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict:
+    # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
+    body = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": tally.completion_tokens,
+        "total_tokens": prompt_tokens + tally.completion_tokens,
+    }
+    if served.is_diffusion:
+        body["steps"] = tally.steps
+    return body
+
+
+def record(
+    metrics: Metrics | None,
+    served: ServedModel,
+    body: dict,
+    tally: UsageCount,
+    started: float,
+    n_choices: int,
+) -> None:
+    """Count a finished request; one whose choices did not all finish was aborted."""
+    if metrics is None:
+        return
+    complete = len(tally.reasons) == n_choices and "abort" not in tally.reasons
+    reason = tally.reasons[-1] if complete else "abort"
+    metrics.observe_request(
+        served.name,
+        body["prompt_tokens"],
+        body["completion_tokens"],
+        reason,
+        time.perf_counter() - started,
+    )

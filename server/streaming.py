@@ -1,0 +1,92 @@
+"""Answering over HTTP, for completions and chat alike: server-sent events, the frame every
+stream shares (`StreamHead`, `framed`), and cancelling work whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from engine.served_model import ServedModel
+from server.errors import APIError, error_body
+from server.metrics import Metrics
+from server.planning import Choice, UsageCount, new_id, record, usage
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine
+    sequences) instead of finishing an answer nobody will read."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client closed the request")
+    return task.result()
+
+
+@dataclass(slots=True)
+class StreamHead:
+    """What every chunk of one stream carries besides its choice."""
+
+    id: str
+    object: str  # "text_completion" | "chat.completion.chunk"
+    created: int
+    model: str
+    include_usage: bool  # every chunk says "usage": null, the last one the usage
+
+    @classmethod
+    def new(cls, served: ServedModel, req: Any, obj: str, prefix: str) -> StreamHead:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return cls(new_id(prefix), obj, int(time.time()), served.name, include_usage)
+
+    def body(self, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choice: dict) -> str:
+        body = self.body([choice])
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+
+async def framed(
+    served: ServedModel,
+    req: Any,
+    choices: list[Choice],
+    metrics: Metrics | None,
+    head: StreamHead,
+    tally: UsageCount,
+    chunks: AsyncIterator[str],
+) -> AsyncIterator[str]:
+    """A stream's chunks, then its end: an error becomes an error event, usage is counted and
+    recorded even when the client goes away (the generator is closed: an abort), then the
+    usage chunk if it was asked for, then [DONE]."""
+    started = time.perf_counter()
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as e:
+        yield sse(error_body(e.status, e.message, e.param, e.code))
+    finally:
+        body = usage(served, choices, req.n, tally)
+        record(metrics, served, body, tally, started, len(choices))
+    if head.include_usage:
+        yield sse({**head.body([]), "usage": body})
+    yield sse("[DONE]")
