@@ -148,7 +148,7 @@ class KVCache:
     # ---- rows ------------------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> KVCache:
         """A view of rows [start, stop): same storage, its own length lists. Run a forward on
-        it, then `absorb` it back. Grow this cache's capacity first: a view that grows would
+        it, then `merge_view` it back. Grow this cache's capacity first: a view that grows would
         get buffers of its own."""
         return KVCache(
             keys=[k[start:stop] for k in self.keys],
@@ -158,7 +158,7 @@ class KVCache:
             biases=None if self.biases is None else [b[start:stop] for b in self.biases],
         )
 
-    def absorb(self, view: KVCache, start: int = 0) -> None:
+    def merge_view(self, view: KVCache, start: int = 0) -> None:
         """Take back the lengths a `rows(start, ...)` view advanced."""
         if view.keys[0].data_ptr() != self.keys[0][start].data_ptr():
             raise ValueError("the view grew its own buffers; grow the parent cache first")

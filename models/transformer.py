@@ -117,7 +117,7 @@ class Transformer(nn.Module):
             view = self._rows_view(cache, rows, input_ids.shape[1])
             kwargs = {"positions": positions, "pattern": pattern, "valid": valid}
             out = self.forward(input_ids, cache=view, commit=commit, capture=capture, **kwargs)
-            cache.absorb(view, rows[0])
+            cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
         if cache is not None:
@@ -203,7 +203,7 @@ class Transformer(nn.Module):
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
             out = yield from self.forward_stages(input_ids, cache=view, commit=commit)
-            cache.absorb(view, rows[0])
+            cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
         if cache is not None:

@@ -58,30 +58,34 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def llada_to_canonical(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
-    for name, t in sd.items():
-        if name in _LLADA_TOP:
-            out[_LLADA_TOP[name]] = t
-            continue
-        m = _LLADA_BLOCK_RE.fullmatch(name)
-        if m is None or m.group(2) not in _LLADA_BLOCK:
-            raise KeyError(f"unexpected LLaDA weight {name!r}")
-        out[f"model.layers.{m.group(1)}.{_LLADA_BLOCK[m.group(2)]}.{m.group(3)}"] = t
-    return out
+    return _rename(sd, _LLADA_TOP, _LLADA_BLOCK, _LLADA_BLOCK_RE, "model.layers", "LLaDA weight")
 
 
 def canonical_to_llada(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     top = {v: k for k, v in _LLADA_TOP.items()}
     block = {v: k for k, v in _LLADA_BLOCK.items()}
+    return _rename(sd, top, block, _CANON_BLOCK_RE, "model.transformer.blocks", "canonical name")
+
+
+def _rename(
+    sd: dict[str, Tensor],
+    top: dict[str, str],
+    block: dict[str, str],
+    block_re: re.Pattern[str],
+    prefix: str,
+    what: str,
+) -> dict[str, Tensor]:
+    """Rename top-level weights by `top` and per-layer ones (`block_re`: layer, name, suffix)
+    by `block`, under `prefix`.<layer>; KeyError for a name neither knows."""
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
         if name in top:
             out[top[name]] = t
             continue
-        m = _CANON_BLOCK_RE.fullmatch(name)
+        m = block_re.fullmatch(name)
         if m is None or m.group(2) not in block:
-            raise KeyError(f"no LLaDA name for {name!r}")
-        out[f"model.transformer.blocks.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"] = t
+            raise KeyError(f"unexpected {what} {name!r}")
+        out[f"{prefix}.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"] = t
     return out
 
 

@@ -267,7 +267,7 @@ def test_fused_step_mixes_decode_rows_and_prompts(model, stack_kind):
             for row in (0, 1):
                 view = cache.rows(row, row + 1)
                 model(torch.tensor([ids[row][:8]]), cache=view)
-                cache.absorb(view, row)
+                cache.merge_view(view, row)
             segs = [cache.read(1, layer) for layer in range(model.config.num_layers)]
             keep = torch.tensor([0, 3, 5, 7])
             cache.replace_prefix(
@@ -282,7 +282,7 @@ def test_fused_step_mixes_decode_rows_and_prompts(model, stack_kind):
     def alone(cache, row, tokens):
         view = cache.rows(row, row + 1)
         hidden = model(torch.tensor([tokens]), cache=view)[:, -1]
-        cache.absorb(view, row)
+        cache.merge_view(view, row)
         return hidden
 
     steps = [

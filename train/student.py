@@ -33,6 +33,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from tqdm import tqdm
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import Transformer
-from train.teacher import export_model, lr_at, parse_weights, save_atomic, task_eval
+from train.teacher import after_step, export_model, lr_at, parse_weights, resume, task_eval
 from train.tokenizer import MASK_ID
 from train.trajectories import Trajectories, load
 
@@ -224,13 +225,9 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     gen = torch.Generator().manual_seed(args.seed)
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
-        student.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
+    if (state := resume(ckpt_path, student, opt)) is not None:
         step = state["step"]
         gen.set_state(state["gen"])
-        print(f"resumed at step {step}")
     (out / "train_args.json").write_text(json.dumps(vars(args), indent=2))
     traj = load(Path(args.traj))
     mix = parse_weights(args.mix)
@@ -264,25 +261,21 @@ def train(args: argparse.Namespace) -> None:
             record = {"step": step, "kind": kind, "lr": lr}
             record |= {k: round(v.item(), 5) for k, v in terms.items()}
             record["elapsed_s"] = round(time.perf_counter() - started, 1)
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                student.eval()
-                for task in ("addition3", "trace4"):
-                    em, steps = task_eval(student, task, args.eval_n, block, "cdlm", args.threshold)
-                    record[f"em_{task}"], record[f"steps_{task}"] = em, round(steps, 2)
-                student.train()
-                tqdm.write(json.dumps(record))
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if step % args.ckpt_every == 0 or step == args.steps:
-                save_atomic(
-                    {
-                        "model": student.state_dict(),
-                        "optim": opt.state_dict(),
-                        "step": step,
-                        "gen": gen.get_state(),
-                    },
-                    ckpt_path,
-                )
+            after_step(
+                step,
+                args,
+                record,
+                log,
+                student,
+                lambda: evaluate(student, args, block),
+                lambda step=step: {
+                    "model": student.state_dict(),
+                    "optim": opt.state_dict(),
+                    "step": step,
+                    "gen": gen.get_state(),
+                },
+                ckpt_path,
+            )
     bar.close()
     if args.lora:
         merge_lora(student)
@@ -290,6 +283,15 @@ def train(args: argparse.Namespace) -> None:
     extra = {"cdlm_block_size": block, "cdlm_threshold": args.threshold}
     export_model(student, hf_config, out / "model", extra)
     print(f"exported {out / 'model'}")
+
+
+def evaluate(student: Transformer, args: Any, block: int) -> dict[str, Any]:
+    """Exact match and task steps of the student's cdlm decoding on the held-out tasks."""
+    record: dict[str, Any] = {}
+    for task in ("addition3", "trace4"):
+        em, steps = task_eval(student, task, args.eval_n, block, "cdlm", args.threshold)
+        record[f"em_{task}"], record[f"steps_{task}"] = em, round(steps, 2)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,43 @@ def save_atomic(obj: Any, path: Path) -> None:
     write_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
+def resume(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+    """Load a checkpoint written by `after_step` into the model and the optimizer; the rest of
+    its state (step, random generator) is the caller's. None when there is none yet."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    print(f"resumed at step {state['step']}")
+    return state
+
+
+def after_step(
+    step: int,
+    args: Any,
+    record: dict[str, Any],
+    log: TextIO,
+    model: torch.nn.Module,
+    evaluate: Callable[[], dict[str, Any]],
+    checkpoint: Callable[[], dict[str, Any]],
+    ckpt_path: Path,
+) -> None:
+    """The bookkeeping after every optimizer step of both training loops (teacher, student):
+    evals every `args.eval_every` steps and at the last (0: never), one JSON line per step in
+    the log, a resumable checkpoint every `args.ckpt_every` steps and at the last."""
+    last = step == args.steps
+    if args.eval_every and (step % args.eval_every == 0 or last):
+        model.eval()
+        record |= evaluate()
+        model.train()
+        tqdm.write(json.dumps(record))
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    if step % args.ckpt_every == 0 or last:
+        save_atomic(checkpoint(), ckpt_path)
+
+
 def export_model(
     model: Transformer,
     hf_config: dict[str, Any],
@@ -220,13 +257,9 @@ def train(args: argparse.Namespace) -> None:
         # Weights only: a new run (fresh optimizer and schedule) continuing an earlier one.
         model.load_state_dict(torch.load(args.init, weights_only=False)["model"])
         print(f"initialized from {args.init}")
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
+    if (state := resume(ckpt_path, model, opt)) is not None:
         step = state["step"]
         torch.set_rng_state(state["torch_rng"])
-        print(f"resumed at step {step}")
     (out / "train_args.json").write_text(json.dumps(vars(args), indent=2))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"teacher: {n_params / 1e6:.2f}M params, {asdict(shape)}")
@@ -261,24 +294,24 @@ def train(args: argparse.Namespace) -> None:
                 "lr": lr,
                 "elapsed_s": round(time.perf_counter() - started, 1),
             }
-            if step % args.eval_every == 0 or step == args.steps:
-                model.eval()
-                for task in ("addition3", "trace4"):
-                    record[f"em_{task}"] = task_eval(model, task, args.eval_n)[0]
-                model.train()
-                tqdm.write(json.dumps(record))
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if step % args.ckpt_every == 0 or step == args.steps:
-                save_atomic(
-                    {
-                        "model": model.state_dict(),
-                        "optim": opt.state_dict(),
-                        "step": step,
-                        "torch_rng": torch.get_rng_state(),
-                    },
-                    ckpt_path,
-                )
+            after_step(
+                step,
+                args,
+                record,
+                log,
+                model,
+                lambda: {
+                    f"em_{task}": task_eval(model, task, args.eval_n)[0]
+                    for task in ("addition3", "trace4")
+                },
+                lambda step=step: {
+                    "model": model.state_dict(),
+                    "optim": opt.state_dict(),
+                    "step": step,
+                    "torch_rng": torch.get_rng_state(),
+                },
+                ckpt_path,
+            )
     bar.close()
     model.eval()
     export_model(model, hf_config, out / "model")
