@@ -10,11 +10,11 @@ from engine.attention_matching import (
     HeadInputs,
     compact_head,
     fit,
-    gram_nnls,
     keep,
     mass_error,
     relative_output_error,
 )
+from engine.nnls import gram_nnls
 
 
 def _head(total: int = 200, n: int = 300, dim: int = 32, seed: int = 0) -> HeadInputs:
