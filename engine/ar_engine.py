@@ -44,6 +44,7 @@ class ARSequence:
     session: Session | None = None
     append: bool = True
     row: int = -1
+    compacted: bool = False  # its row holds a compacted segment (per-key biases)
     next_input: int | None = None  # the last sampled token: the next step runs it
     generated: int = 0
     run_tokens: list[int] = field(default_factory=list)  # sampled tokens already in the cache
@@ -53,6 +54,9 @@ class ARSequence:
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+
+INITIAL_SLOTS = 256  # per row of a new batch cache; it grows for longer rows
 
 
 def _session_slots(seq: ARSequence) -> int:
@@ -170,7 +174,7 @@ class AREngine:
 
     def _cache_for(self, needed: int) -> KVCache:
         if self.cache is None:
-            self.cache = self.model.new_cache(self.max_batch, max(needed, 256))
+            self.cache = self.model.new_cache(self.max_batch, max(needed, INITIAL_SLOTS))
         self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
         return self.cache
 
@@ -194,6 +198,7 @@ class AREngine:
         for seq in new:
             if _session_slots(seq):  # continue from the session's (maybe compacted) cache
                 cache.load_row(seq.row, seq.session.cache)
+                seq.compacted = seq.session.cache.biases is not None
             else:
                 cache.reset(seq.row)
         return new
@@ -246,6 +251,8 @@ class AREngine:
         # compaction writes into the session's cache in place.
         with torch.inference_mode(False):
             cache = self.cache.extract_row(seq.row)
+        if not seq.compacted:
+            cache.biases = None  # other rows' segments made the batch carry (zero) biases
         seq.session.extend(cache, seq.prompt + seq.run_tokens, seq.last_token)
 
     def _finish(self, seq: ARSequence, out: EngineOutput) -> EngineOutput:
@@ -261,5 +268,18 @@ class AREngine:
         self.running[seq.row] = last
         last.row = seq.row
         self.running.pop()
+        self._shed()
         if self.on_finish is not None:
             self.on_finish(seq)
+
+    def _shed(self) -> None:
+        """Leave nothing behind that later steps would pay for: the per-key biases once no
+        row holds a compacted segment (every step would add them, through a float mask or the
+        kernel's bias path), and, once idle, a cache grown past its first size for a long
+        prompt or session (its memory)."""
+        if self.cache is None:
+            return
+        if self.cache.biases is not None and not any(s.compacted for s in self.running):
+            self.cache.biases = None  # the other rows' biases are all zero: exact
+        if not self.running and not self.waiting and self.cache.capacity > INITIAL_SLOTS:
+            self.cache = None

@@ -187,3 +187,41 @@ def test_logprobs_are_log_softmax_of_the_logits(setup):
     assert abs(first.logprob - float(ref.max())) < 1e-4
     top_ids = [t for t, _ in first.top]
     assert top_ids == ref.topk(2).indices.tolist() and top_ids[0] == first.token
+
+
+def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
+    """After a compacted session's request, later steps carry no per-key biases (every step
+    would pay for them), and an idle engine gives back a cache grown for a long prompt."""
+    from engine import model_work
+    from engine.kv_compaction import compact_row
+    from engine.session_store import Session
+
+    _, engine, tok = setup
+    model = engine.model
+    ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = model_work.prefill(model, ids)
+    compact_row(model, tok, cache, 0, ids, 20, "am-highest", "repeat", 8)
+    session = Session("s", "m", ids, cache)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    plain = engine.new_sequence("p", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0))
+    engine.add(plain)
+    engine.add(engine.new_sequence("c", [7, 8], greedy, session=session))
+    engine.step()
+    assert engine.cache.biases is not None  # the compacted row needs them while it runs
+    while any(s.session is not None for s in engine.running):
+        engine.step()
+    assert engine.running == [plain] and engine.cache.biases is None
+    assert session.cache.biases is not None  # the session keeps its own
+    while engine.has_work():
+        engine.step()
+    assert engine.cache is not None and engine.cache.capacity == 256
+    list(engine.generate(list(range(300)), greedy))  # a prompt longer than the first size
+    assert engine.cache is None  # idle again: the grown cache is released
+    # A plain session written back while a compacted one shared the batch carries no biases.
+    other = Session("o", "m", [], None)
+    other.extend(model_work.prefill(model, [4, 5, 6]), [4, 5, 6], None)
+    engine.add(engine.new_sequence("c2", [7], greedy, session=session))
+    engine.add(engine.new_sequence("o2", [9], greedy, session=other))
+    while engine.has_work():
+        engine.step()
+    assert other.cache.biases is None and session.cache.biases is not None
