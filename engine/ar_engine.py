@@ -1,11 +1,13 @@
 """Autoregressive generation with continuous batching.
 
 Each running sequence owns one row of a shared KV cache. A step hands the model one token for
-every running sequence and the prompts of the sequences admitted now, in one call
-(`Transformer.extend`, which picks the fused CPU step or the PyTorch path itself), and samples a
-token for each from the logits. Finished sequences leave between steps; the last row moves into
-the freed one so the active rows stay contiguous. A sequence may continue from a session's
-cache (copied into its row when it is admitted) and write its answer back into it.
+every decoding sequence and chunks of the prompts still being prefilled (`prefill_tokens` per
+step at most: chunked prefill, so a long prompt never stalls the others for more than one
+chunk), in one call (`Transformer.extend`, which picks the fused CPU step or the PyTorch path
+itself), and samples a token for every decoding row and every prompt just completed.
+Finished sequences leave between steps; the last row moves into the freed one so the active
+rows stay contiguous. A sequence may continue from a session's cache (copied into its row when
+it is admitted) and write its answer back into it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ARSequence:
     append: bool = True
     row: int = -1
     compacted: bool = False  # its row holds a compacted segment (per-key biases)
+    prefilled: int = 0  # prompt tokens already in the cache (long prompts join in chunks)
     next_input: int | None = None  # the last sampled token: the next step runs it
     generated: int = 0
     run_tokens: list[int] = field(default_factory=list)  # sampled tokens already in the cache
@@ -57,6 +60,9 @@ class ARSequence:
 
 
 INITIAL_SLOTS = 256  # per row of a new batch cache; it grows for longer rows
+# Prompt tokens one step prefills, all new rows together (chunked prefill). A longer prompt
+# joins over several steps, and the running rows decode at every one of them.
+PREFILL_TOKENS_PER_STEP = 512
 
 
 def _session_slots(seq: ARSequence) -> int:
@@ -66,8 +72,16 @@ def _session_slots(seq: ARSequence) -> int:
 
 
 class AREngine:
-    def __init__(self, model: Transformer, tokenizer: Any, max_model_len: int, max_batch: int = 8):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Any,
+        max_model_len: int,
+        max_batch: int = 8,
+        prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
+    ):
         self.model = model
+        self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -159,15 +173,18 @@ class AREngine:
             seq.finish_reason = "abort"
             outputs.append(EngineOutput(seq.id, [], "", "abort"))
             self._retire(seq)
-        new = self._take_waiting(outputs)
-        batch = self.running + new
-        if batch:
-            assert self.cache is not None  # running rows were prefilled into it, new rows taken
-            chunks = [(s.row, [s.next_input]) for s in self.running]
-            chunks += [(s.row, s.prompt) for s in new]
-            logits = self.model.logits(self.model.extend(chunks, self.cache))  # [len(batch), V]
-            self.running.extend(new)
-            outputs += [self._accept(seq, logits[i]) for i, seq in enumerate(batch)]
+        self._take_waiting(outputs)
+        if self.running:
+            assert self.cache is not None  # every running row has one
+            seqs, chunks = self._plan()
+            logits = self.model.logits(self.model.extend(chunks, self.cache))  # [len(chunks), V]
+            for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
+                if seq.prefilled == len(seq.prompt):  # a decode step
+                    outputs.append(self._accept(seq, logits[i]))
+                    continue
+                seq.prefilled += len(tokens)
+                if seq.prefilled == len(seq.prompt):  # the prompt is in: its first token
+                    outputs.append(self._accept(seq, logits[i]))
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._retire(seq)
         return outputs
@@ -178,9 +195,32 @@ class AREngine:
         self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
         return self.cache
 
+    def _plan(self) -> tuple[list[ARSequence], list[tuple[int, list[int]]]]:
+        """This step's work, as (sequence, (row, tokens)) pairs: one token for every decoding
+        row, and prompt chunks, oldest first, up to `prefill_tokens` together (chunked
+        prefill: a long prompt joins over several steps, so decoding rows never wait for more
+        than one chunk)."""
+        seqs: list[ARSequence] = []
+        chunks: list[tuple[int, list[int]]] = []
+        for seq in self.running:
+            if seq.prefilled == len(seq.prompt):
+                assert seq.next_input is not None
+                seqs.append(seq)
+                chunks.append((seq.row, [seq.next_input]))
+        budget = self.prefill_tokens
+        for seq in self.running:
+            todo = len(seq.prompt) - seq.prefilled
+            if todo and budget > 0:
+                n = min(todo, budget)
+                seqs.append(seq)
+                chunks.append((seq.row, seq.prompt[seq.prefilled : seq.prefilled + n]))
+                budget -= n
+        return seqs, chunks
+
     def _take_waiting(self, outputs: list[EngineOutput]) -> list[ARSequence]:
         """Give every waiting sequence that fits a cache row (fresh, or loaded from its
-        session); aborted ones leave with an output instead."""
+        session) and start it running (its prompt is prefilled by the coming steps); aborted
+        ones leave with an output instead."""
         new: list[ARSequence] = []
         while self.waiting and len(self.running) + len(new) < self.max_batch:
             seq = self.waiting.pop(0)
@@ -192,6 +232,7 @@ class AREngine:
             new.append(seq)
         if not new:
             return new
+        self.running.extend(new)
         width = max(len(s.prompt) for s in new)
         history = max(_session_slots(s) for s in new)
         cache = self._cache_for(history + width + 1)

@@ -78,6 +78,7 @@ def load_served_model(
     max_queue: int = 256,
     max_batch: int = 8,
     metrics: Metrics | None = None,
+    prefill_tokens: int = 512,
 ) -> ServedModel:
     started = time.perf_counter()
     if device.type == "cpu" and kernels.cpu_has_bf16_dot():
@@ -106,7 +107,7 @@ def load_served_model(
             )
             on_step = metrics.dlm_step_latency.labels(name).observe
     else:
-        engine = AREngine(model, tokenizer, limit, max_batch=max_batch)
+        engine = AREngine(model, tokenizer, limit, max_batch, prefill_tokens)
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
     thread = EngineThread(name, engine, max_queue, on_step=on_step)

@@ -68,6 +68,7 @@ class ServerSettings:
     max_model_len: int | None = None
     max_queue: int = 256
     max_batch: int = 8  # sequences decoded together per model
+    prefill_tokens: int = 512  # prompt tokens one step prefills (chunked prefill), AR models
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
@@ -111,6 +112,7 @@ class ServerState:
                     s.max_queue,
                     s.max_batch,
                     self.metrics,
+                    s.prefill_tokens,
                 )
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")

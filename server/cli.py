@@ -159,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; larger ones answer 413 (env CDLM_SERVE_MAX_BODY_MB)",
     )
     serve.add_argument(
+        "--prefill-tokens-per-step",
+        type=int,
+        default=int(_env("PREFILL_TOKENS_PER_STEP", "512") or 512),
+        help="prompt tokens one engine step prefills (chunked prefill: longer prompts join over "
+        "several steps while running requests keep decoding; env "
+        "CDLM_SERVE_PREFILL_TOKENS_PER_STEP)",
+    )
+    serve.add_argument(
         "--max-batch",
         type=int,
         default=int(_env("MAX_BATCH", "8") or 8),
@@ -195,6 +203,7 @@ def serve(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--max-sessions", args.max_sessions),
         ("--max-body-mb", args.max_body_mb),
+        ("--prefill-tokens-per-step", args.prefill_tokens_per_step),
         ("--compaction-omp-budget", args.compaction_omp_budget),
     ):
         if value <= 0:
@@ -209,6 +218,7 @@ def serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
+        prefill_tokens=args.prefill_tokens_per_step,
         api_key=args.api_key,
         sessions_dir=args.sessions_dir,
         session_memory_bytes=args.session_memory_mb << 20,

@@ -225,3 +225,34 @@ def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
     while engine.has_work():
         engine.step()
     assert other.cache.biases is None and session.cache.biases is not None
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(setup):
+    """Chunked prefill: a 100-token prompt joins over ceil(100 / 16) steps, a running
+    sequence gets a token at every one of them, and both answers are their solo answers."""
+    _, engine, _ = setup
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    short, long = [5, 6, 7], list(range(3, 103))
+    solo = {name: _run(engine, p, max_tokens=12, temperature=0, ignore_eos=True)[0]
+            for name, p in (("short", short), ("long", long))}  # fmt: skip
+    engine.prefill_tokens = 16
+    try:
+        got: dict[str, list[int]] = {"short": [], "long": []}
+        engine.add(engine.new_sequence("short", short, greedy))
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+        engine.add(engine.new_sequence("long", long, greedy))
+        steps_to_first = 0
+        while not got["long"]:
+            outs = engine.step()
+            steps_to_first += 1
+            assert "short" in {o.request_id for o in outs}  # decoding never waits
+            for out in outs:
+                got[out.request_id] += out.token_ids
+        assert steps_to_first == -(-len(long) // 16)
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+    finally:
+        engine.prefill_tokens = 512
+    assert got == solo
