@@ -60,6 +60,7 @@ class ARSequence:
 
 
 INITIAL_SLOTS = 256  # per row of a new batch cache; it grows for longer rows
+GROWTH_HEADROOM = 256  # answer tokens a new row gets room for when the cache grows for it
 # Prompt tokens one step prefills, all new rows together (chunked prefill). A longer prompt
 # joins over several steps, and the running rows decode at every one of them.
 PREFILL_TOKENS_PER_STEP = 512
@@ -233,9 +234,11 @@ class AREngine:
         if not new:
             return new
         self.running.extend(new)
-        width = max(len(s.prompt) for s in new)
-        history = max(_session_slots(s) for s in new)
-        cache = self._cache_for(history + width + 1)
+        # Room for the prompts and some of the answers: growing the batch cache copies every
+        # row, so a row that would grow again a few tokens later is given headroom now.
+        cache = self._cache_for(
+            max(_session_slots(s) + len(s.prompt) + min(s.budget, GROWTH_HEADROOM) for s in new)
+        )
         for seq in new:
             if _session_slots(seq):  # continue from the session's (maybe compacted) cache
                 cache.load_row(seq.row, seq.session.cache)

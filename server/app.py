@@ -68,7 +68,7 @@ class ServerSettings:
     max_model_len: int | None = None
     max_queue: int = 256
     max_batch: int = 8  # sequences decoded together per model
-    prefill_tokens: int = 512  # prompt tokens one step prefills (chunked prefill), AR models
+    prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30

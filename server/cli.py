@@ -161,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefill-tokens-per-step",
         type=int,
-        default=int(_env("PREFILL_TOKENS_PER_STEP", "512") or 512),
+        default=int(v) if (v := _env("PREFILL_TOKENS_PER_STEP")) else None,
         help="prompt tokens one engine step prefills (chunked prefill: longer prompts join over "
-        "several steps while running requests keep decoding; env "
-        "CDLM_SERVE_PREFILL_TOKENS_PER_STEP)",
+        "several steps while running requests keep decoding; default 512 on GPUs, 128 on CPUs; "
+        "env CDLM_SERVE_PREFILL_TOKENS_PER_STEP)",
     )
     serve.add_argument(
         "--max-batch",
@@ -203,7 +203,7 @@ def serve(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--max-sessions", args.max_sessions),
         ("--max-body-mb", args.max_body_mb),
-        ("--prefill-tokens-per-step", args.prefill_tokens_per_step),
+        ("--prefill-tokens-per-step", args.prefill_tokens_per_step or 1),
         ("--compaction-omp-budget", args.compaction_omp_budget),
     ):
         if value <= 0:
