@@ -4,6 +4,7 @@ server. Prints the stream's inter-token gaps (p50 / p99 / max) alone and during 
 the compaction's time, its pieces of engine work and the longest of them.
 
     python -m bench.compaction_stall [--tokens 8000] [--ratio 10] [--method am-highest-fast]
+                                     [--alone] [--server-args "--max-batch 4"]
                                      [--json out.json]
 """
 
@@ -74,6 +75,14 @@ def _measure(base: str, args: argparse.Namespace, ids: list[int]):
     while worker.is_alive():  # streams back to back for as long as the compaction runs
         during += _gaps(base, args.model, args.stream_tokens)
     worker.join()
+    if args.alone:  # the same compaction again, with nothing else running
+        httpx.delete(f"{base}/v1/sessions/stall", timeout=60).raise_for_status()
+        body = {"model": args.model, "id": "stall", "prompt": ids}
+        httpx.post(f"{base}/v1/sessions", json=body, timeout=3600).raise_for_status()
+        body = {"ratio": args.ratio, "method": args.method, "query_source": args.query_source}
+        resp = httpx.post(f"{base}/v1/sessions/stall/compact", json=body, timeout=7200)
+        resp.raise_for_status()
+        report["alone_seconds"] = resp.json()["seconds"]["total"]
     return report, created, alone, during
 
 
@@ -86,6 +95,8 @@ def main() -> None:
     p.add_argument("--query-source", default="repeat")
     p.add_argument("--stream-tokens", type=int, default=200)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--alone", action="store_true", help="also time the compaction alone")
+    p.add_argument("--server-args", default="", help="extra cdlm-serve flags, one string")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -102,6 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
         cmd += ["--model", args.model, "--dtype", args.dtype, "--sessions-dir", scratch]
+        cmd += args.server_args.split()
         server = start(cmd, base, Path(scratch) / "server.log")
         try:
             report, created, alone, during = _measure(base, args, ids)
@@ -115,6 +127,11 @@ def main() -> None:
         f"{report['engine_jobs']} pieces of engine work, the longest "
         f"{1000 * report['engine_seconds_max']:.0f} ms"
     )
+    if "alone_seconds" in report:
+        print(
+            f"the same compaction alone: {report['alone_seconds']:.1f} s (under the streams "
+            f"{report['seconds']['total'] / report['alone_seconds']:.2f}x as long)"
+        )
     print(f"{'stream':<20}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}{'tokens':>8}")
     for name, row in rows.items():
         print(
@@ -128,8 +145,14 @@ def main() -> None:
                     "session_tokens": len(ids),
                     "create_seconds": created,
                     "compaction": {
-                        k: report[k]
-                        for k in ("seconds", "engine_jobs", "engine_seconds_max", "ratio")
+                        k: report.get(k)
+                        for k in (
+                            "seconds",
+                            "engine_jobs",
+                            "engine_seconds_max",
+                            "ratio",
+                            "alone_seconds",
+                        )
                     },
                     "stream": rows,
                 },

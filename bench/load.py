@@ -65,9 +65,11 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start(cmd: list[str], url: str, log: Path, timeout: float = 600) -> subprocess.Popen:
+def start(
+    cmd: list[str], url: str, log: Path, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.Popen:
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,6 +10,9 @@ Model work that is not a sequence (a session's prefill, prompt logprobs, a compa
 capture) is submitted as jobs (`submit`, `call`, `run`): each runs on this thread, one between
 two steps, so the model is only ever used from here and long work, cut into pieces, never stops
 decoding for longer than one piece.
+
+Each step and job runs on this thread's share of the cores (`engine.core_share`): busy while it
+has work, idle (its cores handed to the other threads) while it waits for some.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core_share import CoreShare
 from engine.interface import Engine
 
 log = logging.getLogger(__name__)
@@ -61,8 +65,10 @@ class EngineThread:
         engine: Engine,
         max_queue: int = 256,
         on_step: Callable[[float], None] | None = None,
+        cores: CoreShare | None = None,
     ):
         self.name = name
+        self.cores = cores or CoreShare()  # shared with the server's other busy threads
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called with each step's wall time (metrics)
@@ -141,6 +147,7 @@ class EngineThread:
         try:
             self._loop()
         finally:
+            self.cores.leave()
             self._stop = True
             self._drain()
 
@@ -163,15 +170,17 @@ class EngineThread:
                 break
             if not self.engine.has_work():
                 continue
-            started = time.perf_counter()
             try:
+                self.cores.enter()
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                elapsed = time.perf_counter() - started
             except Exception as e:  # fail everyone in flight; the engine state is suspect
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
             if self.on_step is not None:
-                self.on_step(time.perf_counter() - started)
+                self.on_step(elapsed)
             for out in outputs:
                 req = self._live.get(out.request_id)
                 if req is None:
@@ -185,6 +194,8 @@ class EngineThread:
         """Move new requests into the engine; False once shutdown was asked and nothing is
         left to do."""
         while True:
+            if block:
+                self.cores.leave()  # idle: the other busy threads get this one's cores
             try:
                 req = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -194,6 +205,7 @@ class EngineThread:
                 block = False
                 continue
             if isinstance(req, _Job):
+                self.cores.enter()
                 self._run_job(req)
                 if self.engine.has_work():
                     return True  # one job between two steps: decoding never waits for a queue

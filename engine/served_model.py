@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.ar_engine import AREngine
+from engine.core_share import CoreShare
 from engine.dlm_engine import DLMEngine
 from engine.engine_thread import EngineThread
 from models import kernels
@@ -79,6 +80,7 @@ def load_served_model(
     max_batch: int = 8,
     metrics: Metrics | None = None,
     prefill_tokens: int | None = None,
+    cores: CoreShare | None = None,
 ) -> ServedModel:
     started = time.perf_counter()
     if device.type == "cpu" and kernels.cpu_has_bf16_dot():
@@ -113,7 +115,7 @@ def load_served_model(
         engine = AREngine(model, tokenizer, limit, max_batch, chunk)
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
-    thread = EngineThread(name, engine, max_queue, on_step=on_step)
+    thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=cores)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",
         name,

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
-import secrets
 import threading
-import time
-import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,12 +15,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.core_share import CoreShare
 from engine.served_model import ServedModel, load_served_model
 from engine.session_store import SessionStore
 from models.fetch import serve_home
 from server import chat, completions, planning, sessions_api, streaming
-from server.errors import APIError, error_body, error_response, install_error_handlers
+from server.errors import APIError, error_body, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
+from server.request_context import RequestContext
 from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.schemas import (
     ChatCompletionRequest,
@@ -38,20 +36,6 @@ from server.sessions_api import Compactions
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-# With an API key, every path but these needs it (deny by default: a route added later, or a
-# path spelled another way, is never open by accident).
-OPEN_PATHS = frozenset(
-    {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-)
-REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-
-
-class RequestIdFilter(logging.Filter):
-    """Adds `request_id` to every log record (the id of the HTTP request being served)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = REQUEST_ID.get()
-        return True
 
 
 @dataclass(slots=True)
@@ -90,10 +74,15 @@ class ServerState:
     settings: ServerSettings
     sessions: SessionStore
     metrics: Metrics = field(default_factory=Metrics)
-    compactions: Compactions = field(default_factory=Compactions)
+    # The cores, split among the threads with work (engine threads, the compaction thread).
+    cores: CoreShare = field(default_factory=CoreShare)
+    compactions: Compactions = field(init=False)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.compactions = Compactions(self.cores)
 
     def load_all(self) -> None:
         log.info(
@@ -113,6 +102,7 @@ class ServerState:
                     s.max_batch,
                     self.metrics,
                     s.prefill_tokens,
+                    self.cores,
                 )
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
@@ -201,39 +191,8 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext, api_key=settings.api_key)  # outermost: added last
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        token = REQUEST_ID.set(rid)
-        started = time.perf_counter()
-        try:
-            if settings.api_key is not None and request.url.path not in OPEN_PATHS:
-                auth = request.headers.get("authorization", "")
-                given = auth[7:] if auth.lower().startswith("bearer ") else ""
-                if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-                    response = error_response(
-                        APIError(
-                            401,
-                            "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                            code="invalid_api_key",
-                        )
-                    )
-                    response.headers["x-request-id"] = rid
-                    return response
-            response = await call_next(request)
-            response.headers["x-request-id"] = rid
-            log.info(
-                "%s %s -> %d in %.3fs",
-                request.method,
-                request.url.path,
-                response.status_code,
-                time.perf_counter() - started,
-            )
-            return response
-        finally:
-            REQUEST_ID.reset(token)
 
     @app.get("/health")
     def health() -> JSONResponse:

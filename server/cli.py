@@ -244,7 +244,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def configure_logging(level: str) -> None:
     """One line per record, with the request id of the HTTP request it belongs to."""
-    from server.app import RequestIdFilter
+    from server.request_context import RequestIdFilter
 
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import model_work
-from engine.kv_compaction import compact_row
+from engine.core_share import CoreShare
+from engine.kv_compaction import OnEngine, compact_row
 from engine.served_model import ServedModel
 from engine.session_store import Session, SessionError, SessionStore, check_id
 from models.kv_cache import KVCache
@@ -213,7 +214,8 @@ async def _continuation(
 class Compactions:
     """The compaction thread, and how many compactions are in it (running or waiting)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cores: CoreShare) -> None:
+        self.cores = cores  # the fits run on the thread's share, beside the engine threads
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
         self._count = 0
         self._lock = threading.Lock()
@@ -234,9 +236,23 @@ class Compactions:
             with self._lock:
                 self._count -= 1
 
-    async def run(self, fn, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+    async def run(self, fn, *args: Any, on_engine: OnEngine, **kwargs: Any) -> Any:
+        """`fn(*args, on_engine=..., **kwargs)` on the compaction thread. It counts as busy in
+        the core share while it fits, and as idle while a piece of its model work runs on the
+        engine thread (`on_engine`)."""
+
+        def piece(work: Callable[[], T]) -> T:
+            self.cores.leave()
+            try:
+                return on_engine(work)
+            finally:
+                self.cores.enter()
+
+        def job() -> Any:
+            with self.cores.working():
+                return fn(*args, on_engine=piece, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

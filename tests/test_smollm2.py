@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
 
@@ -103,34 +107,91 @@ def test_interrupted_fetch_leaves_no_model_and_recovers(tmp_path):
     assert not list(models.glob(".*tmp-*"))  # ...is cleared by the next run
 
 
-def test_default_server_answers_with_the_openai_client(smollm2_dir):
+@pytest.fixture(scope="module")
+def default_server(smollm2_dir):
+    with running_server() as base:  # no --model: the default models
+        yield base
+
+
+def test_default_server_answers_with_the_openai_client(default_server):
     from openai import OpenAI
 
-    with running_server() as base:  # no --model: the default model
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == [SMOLLM2.name, "cdlm-student"]
-        out = client.completions.create(
-            model=SMOLLM2.name, prompt="The capital of France is", max_tokens=8, temperature=0
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [SMOLLM2.name, "cdlm-student"]
+    out = client.completions.create(
+        model=SMOLLM2.name, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert "Paris" in out.choices[0].text
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=SMOLLM2.name,
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
         )
-        assert "Paris" in out.choices[0].text
-        text = "".join(
-            c.choices[0].text
-            for c in client.completions.create(
-                model=SMOLLM2.name,
-                prompt="The capital of France is",
-                max_tokens=8,
-                temperature=0,
-                stream=True,
+    )
+    assert text == out.choices[0].text
+    # The other default, routed by `model`: the CDLM student on a held-out problem.
+    problems = TASKS["trace4"].held_out()[:4]
+    out = client.completions.create(
+        model="cdlm-student",
+        prompt=[p.prompt for p in problems],
+        max_tokens=KINDS["trace4"].answer_len,
+    )
+    answers = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert sum(exact_match(a, p.answer) for a, p in zip(answers, problems, strict=True)) >= 3
+    assert out.usage.model_extra["steps"] * 3 < out.usage.completion_tokens
+
+
+def _stream_stamps(base: str, until: threading.Event) -> list[float]:
+    """Greedy streams of SmolLM2 back to back until `until` is set: each chunk's arrival time."""
+    stamps: list[float] = []
+    body = {"model": SMOLLM2.name, "prompt": "Once upon a time", "max_tokens": 48}
+    body |= {"temperature": 0, "ignore_eos": True, "stream": True}
+    while not until.is_set():
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            stamps += [time.perf_counter() for line in r.iter_lines() if line.startswith("data: {")]
+    return stamps
+
+
+def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(default_server):
+    """A compaction works on the session's own cache, its fits on a thread of their own and
+    its model work in pieces between decode steps: a stream of the same model never waits
+    for the whole compaction (it did when the compaction was one job on the engine thread)."""
+    base = default_server
+    text = " ".join(PROMPTS[:2]) + " " + "It was a truth universally acknowledged. " * 160
+    r = httpx.post(
+        f"{base}/v1/sessions", json={"model": SMOLLM2.name, "id": "long", "prompt": text}
+    )
+    assert r.status_code == 201 and r.json()["tokens"] > 1000
+    done = threading.Event()
+    window: dict[str, float] = {}
+
+    def compact() -> None:
+        window["start"] = time.perf_counter()
+        try:
+            resp = httpx.post(
+                f"{base}/v1/sessions/long/compact",
+                json={"ratio": 10, "method": "am-highest-fast"},
+                timeout=600,
             )
-        )
-        assert text == out.choices[0].text
-        # The other default, routed by `model`: the CDLM student on a held-out problem.
-        problems = TASKS["trace4"].held_out()[:4]
-        out = client.completions.create(
-            model="cdlm-student",
-            prompt=[p.prompt for p in problems],
-            max_tokens=KINDS["trace4"].answer_len,
-        )
-        answers = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
-        assert sum(exact_match(a, p.answer) for a, p in zip(answers, problems, strict=True)) >= 3
-        assert out.usage.model_extra["steps"] * 3 < out.usage.completion_tokens
+            window["status"] = resp.status_code
+        finally:
+            window["end"] = time.perf_counter()
+            done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        streams = pool.submit(_stream_stamps, base, done)
+        time.sleep(1.0)  # the stream is running before the compaction starts
+        pool.submit(compact).result()
+        stamps = streams.result()
+    assert window["status"] == 200
+    seconds = window["end"] - window["start"]
+    inside = [t for t in stamps if window["start"] < t < window["end"]]
+    gaps = [b - a for a, b in itertools.pairwise([window["start"], *inside, window["end"]])]
+    assert len(inside) >= 10, (len(inside), seconds)
+    assert max(gaps) < seconds / 3, (max(gaps), seconds)
+    httpx.delete(f"{base}/v1/sessions/long").raise_for_status()

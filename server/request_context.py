@@ -1,0 +1,96 @@
+"""What every request gets on its way in: an id, the API key check, and an access-log line.
+
+A pure ASGI middleware, not FastAPI's `@app.middleware("http")`: that one (Starlette's
+`BaseHTTPMiddleware`) runs the route in a child task behind memory streams, where
+`Request.is_disconnected()` never sees the client leave (a non-streamed completion whose client
+hung up decoded to the end), and each of its checks left anyio re-delivering a cancellation at
+every turn of the event loop until the request ended: with four non-streamed completions in
+flight the event loop used a whole core, taken from the engine threads.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import secrets
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, error_response
+
+log = logging.getLogger("server.app")
+
+# With an API key, every path but these needs it (deny by default: a route added later, or a
+# path spelled another way, is never open by accident).
+OPEN_PATHS = frozenset(
+    {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record (the id of the HTTP request being served)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+def _authorized(headers: Headers, api_key: str) -> bool:
+    auth = headers.get("authorization", "")
+    given = auth[7:] if auth.lower().startswith("bearer ") else ""
+    return secrets.compare_digest(given.encode(), api_key.encode())
+
+
+class RequestContext:
+    """The request's id (its `X-Request-Id`, or a new one) in every log line and on the
+    response; 401 without the API key on every path but `OPEN_PATHS`; one log line when the
+    response has been sent."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        token = REQUEST_ID.set(rid)
+        started = time.perf_counter()
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("x-request-id", rid)
+            await send(message)
+
+        try:
+            if (
+                self.api_key is not None
+                and scope["path"] not in OPEN_PATHS
+                and not _authorized(headers, self.api_key)
+            ):
+                error = APIError(
+                    401,
+                    "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+            log.info(
+                "%s %s -> %d in %.3fs",
+                scope["method"],
+                scope["path"],
+                status,
+                time.perf_counter() - started,
+            )
+        finally:
+            REQUEST_ID.reset(token)
