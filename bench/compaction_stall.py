@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import free_port, start, stop
+from bench.load import austen_ids, free_port, start, stop
 from models.sources import DEFAULT_AR_MODEL
 
 
@@ -100,14 +100,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from models.sources import resolve
-    from train import austen
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve(args.model)))
-    text = " ".join(austen.load(n) for n in austen.NOVELS[:1]).replace("\n", " ")
-    ids = tokenizer(text, add_special_tokens=False).input_ids[: args.tokens]
+    ids = austen_ids(args.model, args.tokens)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as scratch:

@@ -65,6 +65,17 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def austen_ids(model: str, tokens: int) -> list[int]:
+    """The first `tokens` tokens of Austen's first novel (one line), for long contexts."""
+    from transformers import AutoTokenizer
+
+    from train import austen
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(model)))
+    text = austen.load(austen.NOVELS[0]).replace("\n", " ")
+    return tokenizer(text, add_special_tokens=False).input_ids[:tokens]
+
+
 def start(
     cmd: list[str], url: str, log: Path, timeout: float = 600, cwd: Path | None = None
 ) -> subprocess.Popen:

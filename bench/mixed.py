@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import PROMPTS, free_port, pct, rss_mb, start, stop
+from bench.load import PROMPTS, austen_ids, free_port, pct, rss_mb, start, stop
 from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL
 
 DECODINGS = ("cdlm", "fast_dllm", "vanilla")
@@ -297,14 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server.log goes")
     args = p.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    from models.sources import resolve
-    from train import austen
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve(args.ar_model)))
-    text = austen.load(austen.NOVELS[0]).replace("\n", " ")
-    session_ids = tokenizer(text, add_special_tokens=False).input_ids[: args.session_tokens]
+    session_ids = austen_ids(args.ar_model, args.session_tokens)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as scratch:
