@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
         cmd += ["--model", args.ar_model, "--model", args.dlm_model, "--sessions-dir", scratch]
         cmd += ["--log-level", "warning", *args.server_args.split()]
+        args.logs.mkdir(parents=True, exist_ok=True)
         server = start(cmd, url, args.logs / "bench_mixed_server.log", cwd=args.checkout)
         try:
             soak = Soak(url, args.ar_model, args.dlm_model, session_ids)

@@ -3,6 +3,7 @@ engines and choice handling as completions, in the chat response shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -89,11 +90,15 @@ async def complete(
     texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
     logprobs: dict[int, list[dict]] = {i: [] for i in range(len(choices))}
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
-    async for i, out in run_choices(served, choices):
-        texts[i].append(out.text)
-        tally.add(out)
-        finish[i] = out.finish_reason or finish[i]
-        logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
+    try:
+        async for i, out in run_choices(served, choices):
+            texts[i].append(out.text)
+            tally.add(out)
+            finish[i] = out.finish_reason or finish[i]
+            logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
+    except asyncio.CancelledError:  # the client went away: counted as an abort
+        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
+        raise
     body = usage(served, choices, req.n, tally)
     record(metrics, served, body, tally, started, len(choices))
     return {

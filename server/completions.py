@@ -75,12 +75,16 @@ async def complete(
     }
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
     logprobs = {i: await _start_logprobs(served, req, c) for i, c in enumerate(choices)}
-    async for i, out in run_choices(served, choices):
-        texts[i].append(out.text)
-        tally.add(out)
-        finish[i] = out.finish_reason or finish[i]
-        if logprobs[i] is not None:
-            logprobs[i].add_outputs(out.logprobs)
+    try:
+        async for i, out in run_choices(served, choices):
+            texts[i].append(out.text)
+            tally.add(out)
+            finish[i] = out.finish_reason or finish[i]
+            if logprobs[i] is not None:
+                logprobs[i].add_outputs(out.logprobs)
+    except asyncio.CancelledError:  # the client went away: counted as an abort
+        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
+        raise
     body = usage(served, choices, req.n, tally)
     record(metrics, served, body, tally, started, len(choices))
     return {

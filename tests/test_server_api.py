@@ -235,3 +235,24 @@ def test_ignore_eos_generates_the_whole_budget(base):
     forced = httpx.post(f"{base}/v1/completions", json=body, headers=_h()).json()
     assert {c["finish_reason"] for c in forced["choices"]} == {"length"}
     assert forced["usage"]["completion_tokens"] == 8 * 96
+
+
+def test_client_disconnect_aborts_a_non_streamed_request(tight):
+    """A client that hangs up on a non-streamed completion frees the engine too: the server
+    notices the closed connection while it waits for the answer and aborts the request."""
+    before = _metric(tight, "cdlm_serve:request_success_total", 'finished_reason="abort"')
+    tokens_before = _metric(tight, "cdlm_serve:request_generation_tokens_sum", "tiny")
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 450, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{tight}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if _metric(tight, "cdlm_serve:request_success_total", 'finished_reason="abort"') > before:
+            break
+        time.sleep(0.1)
+    aborted = _metric(tight, "cdlm_serve:request_success_total", 'finished_reason="abort"')
+    assert aborted == before + 1  # counted as an abort, which it was
+    generated = _metric(tight, "cdlm_serve:request_generation_tokens_sum", "tiny")
+    assert 0 < generated - tokens_before < 450
+    short = {"model": "tiny", "prompt": "b", "max_tokens": 3}
+    assert httpx.post(f"{tight}/v1/completions", json=short).status_code == 200
