@@ -33,6 +33,7 @@ from engine.dlm_sequence import BlockPass, Decoding, DLMParams, DLMSequence
 from engine.interface import EngineOutput
 from engine.sampling import _top_p_filter, make_generator
 from engine.text_output import TextAssembler
+from engine.unmasking import Schedule, confidence, origin, pick, quota
 from models.kv_cache import KVCache
 from models.transformer import Transformer
 
@@ -61,6 +62,9 @@ class DLMEngine:
         self.max_batch = max_batch
         self.mask_id = int(cfg.mask_token_id)
         self.shift = cfg.logits_shift
+        # How a fixed number of steps is spread over a block: Dream's way for Dream checkpoints,
+        # LLaDA's for LLaDA's and ours (our students are LLaDA-format).
+        self.schedule: Schedule = "dream" if cfg.family == "dream" else "llada"
         self.block_size = default_block_size or cfg.dlm_block_size or 32
         self.threshold = (
             default_threshold
@@ -101,6 +105,8 @@ class DLMEngine:
                 f"prompt ({len(prompt)}) + answer ({gen_len}, max_tokens rounded up to whole "
                 f"blocks) exceeds the context ({self.max_model_len})"
             )
+        if params.steps is not None:
+            _check_steps(params.steps, gen_len // params.block_size, gen_len)
         device = self.model.device
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -112,7 +118,7 @@ class DLMEngine:
             answer=torch.full((gen_len,), self.mask_id, dtype=torch.long, device=device),
             text=TextAssembler(self.tokenizer, list(params.stop)),
             stop_ids=frozenset(stop_ids),
-            generator=None if params.temperature == 0 else make_generator(params.seed, device),
+            generator=make_generator(params.seed, device) if _draws(params) else None,
             aborted=aborted,
         )
 
@@ -216,6 +222,7 @@ class DLMEngine:
     def _advance(self, block_pass: BlockPass, hidden: Tensor) -> EngineOutput | None:
         seq = block_pass.seq
         seq.steps += 1
+        seq.block_steps += 1
         MODES[seq.params.decoding].after_pass(seq)
         logits = self._block_logits(block_pass, hidden)
         if self.on_step is not None:
@@ -229,27 +236,47 @@ class DLMEngine:
         return self._after_step(seq)
 
     def _choose(self, seq: DLMSequence, logits: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
-        """Which masked positions to finalize this step, and with which tokens."""
+        """Which masked positions to finalize this step, and with which tokens.
+        logits [B, V] fp32, masked [B] -> (chosen [B] bool, tokens [B])."""
         p = seq.params
+        probs = torch.softmax(logits if p.temperature == 0 else logits / p.temperature, dim=-1)
         # The mask token is never an answer: a model that predicts it would leave the position
-        # masked and, decoding greedily, pick it again at every step.
-        logits[:, self.mask_id] = float("-inf")
+        # masked (the references let it be chosen and stay masked). It is left in `probs`, so
+        # confidences are normalized over the whole vocabulary as theirs are.
+        allowed = probs.clone()
+        allowed[:, self.mask_id] = 0
         if p.temperature == 0:
-            probs = torch.softmax(logits, dim=-1)
-            conf, tokens = probs.max(dim=-1)
+            tokens = allowed.argmax(dim=-1)
         else:
-            probs = torch.softmax(logits / p.temperature, dim=-1)
+            allowed = allowed / allowed.sum(dim=-1, keepdim=True)
             if p.top_p < 1.0:
-                probs = _top_p_filter(probs, p.top_p)
-            tokens = torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1)
-            conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
-        conf = torch.where(masked, conf, torch.tensor(-1.0, device=conf.device))
-        best = int(conf.argmax())
+                allowed = _top_p_filter(allowed, p.top_p)
+            tokens = torch.multinomial(allowed, 1, generator=seq.generator).squeeze(-1)
+        draws = None
+        if p.confidence == "random":  # LLaDA draws over the whole sequence, then takes the block
+            full = torch.rand(
+                len(seq.prompt) + seq.gen_len, generator=seq.generator, device=logits.device
+            )
+            start = len(seq.prompt) + seq.block_start
+            draws = full[start : start + seq.block_size]
+        spb = (p.steps or seq.gen_len) // (seq.gen_len // seq.block_size)  # steps per block
+        step = seq.block_steps - 1  # this step's index in its block
+        if p.confidence == "origin":
+            return origin(masked, step, spb, seq.generator), tokens
+        if self.schedule == "dream" and p.decoding == "fast_dllm" and step == 0:
+            # Fast-dLLM's Dream decoder: a block's first pass (the full refresh) finalizes its
+            # first position alone, whatever the confidences; the later passes decide the rest.
+            return torch.arange(masked.shape[0], device=masked.device) == 0, tokens
+        conf = confidence(p.confidence, probs, tokens, draws)
+        conf = torch.where(masked, conf, torch.tensor(float("-inf"), device=conf.device))
+        if p.steps is not None:  # a fixed schedule
+            k = quota(self.schedule, int(masked.sum()), seq.block_size, step, spb)
+            return pick(conf, k, p.alg_temp, seq.generator), tokens
         if MODES[p.decoding].parallel:
             chosen = masked & (conf >= p.threshold)
         else:
             chosen = torch.zeros_like(masked)
-        chosen[best] = True  # always at least the most confident masked position
+        chosen[int(conf.argmax())] = True  # always at least the most confident masked position
         return chosen, tokens
 
     def _after_step(self, seq: DLMSequence) -> EngineOutput | None:
@@ -267,6 +294,7 @@ class DLMEngine:
         block_end = seq.block_start + seq.block_size
         if first_masked >= block_end:  # block complete: hand it out and move on
             seq.block += 1
+            seq.block_steps = 0
             MODES[seq.params.decoding].next_block(seq)
             return self._emit(seq, answer[seq.emitted : block_end], None)
         return None
@@ -299,3 +327,19 @@ class DLMEngine:
         group.pop()
         if self.on_finish is not None:
             self.on_finish(seq)
+
+
+def _draws(params: DLMParams) -> bool:
+    """Whether decoding draws random numbers (and so needs the request's generator)."""
+    drawn = params.confidence in ("random", "origin")
+    return params.temperature > 0 or drawn or params.alg_temp > 0
+
+
+def _check_steps(steps: int, blocks: int, gen_len: int) -> None:
+    """A fixed step count spreads evenly over the blocks (as LLaDA requires) and never
+    exceeds one step per answer token (each step is a forward pass of the engine)."""
+    if steps % blocks != 0 or not blocks <= steps <= gen_len:
+        raise ValueError(
+            f"steps ({steps}) must be a multiple of the number of blocks ({blocks}, the answer "
+            f"of {gen_len} tokens in blocks) and at most the answer length"
+        )

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from engine.text_output import TextAssembler
+from engine.unmasking import Confidence
 
 Decoding = Literal["cdlm", "fast_dllm", "vanilla"]
 
@@ -28,6 +29,12 @@ class DLMParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # A fixed number of denoising steps (all blocks together) on the model family's schedule
+    # (engine.unmasking.quota) instead of the mode's default: the threshold for cdlm and
+    # fast_dllm, one token per step for vanilla.
+    steps: int | None = None
+    confidence: Confidence = "probability"  # how sure a step is of each masked position
+    alg_temp: float = 0.0  # > 0: scheduled positions are drawn by confidence (Dream's alg_temp)
 
 
 @dataclass(eq=False, slots=True)
@@ -41,6 +48,7 @@ class DLMSequence:
     generator: torch.Generator | None
     block: int = 0  # index of the block being decoded
     steps: int = 0
+    block_steps: int = 0  # steps taken in the current block
     row: int = -1  # row in its mode's KV cache (cdlm, fast_dllm)
     commit_previous_block: bool = False  # cdlm: the previous block is final, not yet cached
     refresh: bool = True  # fast_dllm: the next pass is a full refresh of the cache
