@@ -70,9 +70,7 @@ def quota(schedule: Schedule, masked: int, block_size: int, step: int, steps: in
     return int(left * (1 - t[step + 1] / t[step]))
 
 
-def origin(
-    masked: Tensor, step: int, steps: int, generator: torch.Generator | None
-) -> Tensor:
+def origin(masked: Tensor, step: int, steps: int, generator: torch.Generator | None) -> Tensor:
     """Dream's `origin`: masked [B] bool -> bool [B], each masked position finalized with
     probability 1 - t[i+1] / t[i] (all of them at the last step), one draw per masked
     position in order, drawn at every step as Dream does."""

@@ -144,7 +144,5 @@ def test_decoder_reproduces_reference_alone(engines, case):
 def test_decoders_reproduce_reference_in_one_mixed_batch(engines, family):
     cases = [c for c in CASES if _family(c) == family]
     got = _run_all(engines[family], cases)
-    wrong = [
-        c["name"] for c in cases if got[c["name"]] != (c["answer_ids"], _reference_steps(c))
-    ]
+    wrong = [c["name"] for c in cases if got[c["name"]] != (c["answer_ids"], _reference_steps(c))]
     assert not wrong
