@@ -33,7 +33,7 @@ from engine.dlm_sequence import BlockPass, Decoding, DLMParams, DLMSequence
 from engine.interface import EngineOutput
 from engine.sampling import _top_p_filter, make_generator
 from engine.text_output import TextAssembler
-from engine.unmasking import Schedule, confidence, origin, pick, quota
+from engine.unmasking import Schedule, confidence, origin, pick, quota, steps_problem
 from models.kv_cache import KVCache
 from models.transformer import Transformer
 
@@ -106,7 +106,9 @@ class DLMEngine:
                 f"blocks) exceeds the context ({self.max_model_len})"
             )
         if params.steps is not None:
-            _check_steps(params.steps, gen_len // params.block_size, gen_len)
+            problem = steps_problem(params.steps, params.block_size, gen_len)
+            if problem is not None:
+                raise ValueError(problem)
         device = self.model.device
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -333,13 +335,3 @@ def _draws(params: DLMParams) -> bool:
     """Whether decoding draws random numbers (and so needs the request's generator)."""
     drawn = params.confidence in ("random", "origin")
     return params.temperature > 0 or drawn or params.alg_temp > 0
-
-
-def _check_steps(steps: int, blocks: int, gen_len: int) -> None:
-    """A fixed step count spreads evenly over the blocks (as LLaDA requires) and never
-    exceeds one step per answer token (each step is a forward pass of the engine)."""
-    if steps % blocks != 0 or not blocks <= steps <= gen_len:
-        raise ValueError(
-            f"steps ({steps}) must be a multiple of the number of blocks ({blocks}, the answer "
-            f"of {gen_len} tokens in blocks) and at most the answer length"
-        )

@@ -35,6 +35,19 @@ LLADA_REMASKING: dict[str, Confidence] = {"low_confidence": "probability", "rand
 DREAM_EPS = 1e-3  # Dream's final timestep
 
 
+def steps_problem(steps: int, block_size: int, answer: int) -> str | None:
+    """Why `steps` cannot decode an answer of `answer` tokens (a whole number of blocks), or
+    None: the steps spread evenly over the blocks (as LLaDA requires), at most one per answer
+    token (each step is a forward pass)."""
+    blocks = answer // block_size
+    if steps % blocks == 0 and blocks <= steps <= answer:
+        return None
+    return (
+        f"steps ({steps}) must be a multiple of the number of blocks ({blocks}: the answer of "
+        f"{answer} tokens in blocks of {block_size}) and at most {answer}"
+    )
+
+
 def confidence(
     kind: Confidence,
     probs: Tensor,

@@ -19,12 +19,13 @@ from engine.interface import EngineOutput
 from engine.sampling import SamplingParams
 from engine.served_model import ServedModel
 from engine.session_store import Session
+from engine.unmasking import DREAM_ALGS, LLADA_REMASKING, steps_problem
 from server.errors import APIError
 from server.metrics import Metrics
 from server.request_limits import MAX_CHOICES
 from server.schemas import CompletionRequest
 
-DLM_OPTIONS = ("decoding", "block_size", "threshold")
+DLM_OPTIONS = ("decoding", "block_size", "threshold", "steps", "alg", "alg_temp", "remasking")
 
 
 @dataclass(slots=True)
@@ -131,9 +132,18 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
             ignore_eos=req.ignore_eos,
         )
     engine = served.engine
+    if req.alg is not None and req.remasking is not None:
+        raise APIError(400, "alg (Dream's) and remasking (LLaDA's) are alternatives", param="alg")
+    confidence = (
+        DREAM_ALGS[req.alg]
+        if req.alg is not None
+        else LLADA_REMASKING[req.remasking or "low_confidence"]
+    )
+    # The references' options mean their decoder: vanilla unless the request says otherwise.
+    reference = any(getattr(req, k) is not None for k in ("steps", "alg", "remasking"))
     return DLMParams(
         max_tokens=max_tokens,
-        decoding=req.decoding or "cdlm",
+        decoding=req.decoding or ("vanilla" if reference else "cdlm"),
         block_size=req.block_size or engine.block_size,
         threshold=engine.threshold if req.threshold is None else req.threshold,
         # Diffusion decoding is greedy unless the request sets a temperature itself.
@@ -142,6 +152,9 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
         seed=seed,
         stop=stop,
         ignore_eos=req.ignore_eos,
+        steps=req.steps,
+        confidence=confidence,
+        alg_temp=req.alg_temp or 0.0,
     )
 
 
@@ -175,6 +188,9 @@ def plan_choices(
                     raise _context_error(
                         limit, len(ids), budget, ", max_tokens rounded up to whole blocks"
                     )
+                problem = params.steps and steps_problem(params.steps, params.block_size, budget)
+                if problem:
+                    raise APIError(400, problem, param="steps")
             choices.append(Choice(i * req.n + j, ids, text, params))
     return choices
 

@@ -18,6 +18,8 @@ MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of 
 MAX_CHOICES = 64  # prompts x n: every choice is a sequence in the engine's queue
 MAX_STOP_CHARS = 256  # per stop string: the engine searches every new token's text for them
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, like OpenAI's
+# Diffusion `steps` (each one forward pass); also at most the answer length (server.planning).
+MAX_DLM_STEPS = 8192
 
 
 class BodySizeLimit:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine.attention_matching import METHODS
 from engine.kv_compaction import QUERY_SOURCES
 from engine.session_store import SESSION_ID_PATTERN
-from server.request_limits import MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
+from server.request_limits import MAX_DLM_STEPS, MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
 # Request bodies: strict JSON types, unknown fields ignored, no NaN or infinite numbers.
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -51,6 +51,12 @@ class GenerationRequest(BaseModel):
     decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)
+    # The reference releases' own options: a fixed number of denoising steps (Dream's and
+    # LLaDA's `steps`), Dream's `alg` / `alg_temp` and LLaDA's `remasking`.
+    steps: int | None = Field(None, ge=1, le=MAX_DLM_STEPS)
+    alg: Literal["maskgit_plus", "topk_margin", "entropy", "origin"] | None = None
+    alg_temp: float | None = Field(None, ge=0.0, le=100.0)
+    remasking: Literal["low_confidence", "random"] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
 import tiny_models
 from conftest import running_server
+from engine.text_output import TextAssembler
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +149,57 @@ def test_metrics_expose_dlm_series(base):
         and 'decoding="cdlm"' in line
     )
     assert float(count.split()[-1]) >= 1
+
+
+GOLDEN = json.loads(
+    (Path(__file__).parent / "fixtures" / "dlm_reference" / "cases.json").read_text()
+)["cases"]
+
+# Reference runs asked for with the options users of those releases know (extra body).
+RELEASE_OPTIONS = {
+    "dream_entropy_p1_s8_topkNone": {"steps": 8, "alg": "entropy", "block_size": 16},
+    "dream_topk_margin_p2_s16_topkNone": {"steps": 16, "alg": "topk_margin", "block_size": 16},
+    "dream_origin_p1_s8_topkNone_seed0": {"steps": 8, "alg": "origin", "block_size": 16, "seed": 0},
+    "llada_orig_p2_g16_b8_s8_lowconf": {"steps": 8, "remasking": "low_confidence", "block_size": 8},
+    "llada_orig_p1_g16_b8_s16_random_seed0": {
+        "steps": 16,
+        "remasking": "random",
+        "block_size": 8,
+        "seed": 0,
+    },
+    "fastdllm_llada_generate_with_prefix_cache_p1_b4_thr0.018": {
+        "decoding": "fast_dllm",
+        "block_size": 4,
+        "threshold": 0.018,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASE_OPTIONS))
+def test_release_options_reproduce_the_reference_decoders(base, name):
+    case = next(c for c in GOLDEN if c["name"] == name)
+    model = "dream" if name.startswith("dream") else "llada"
+    body = {"model": model, "prompt": case["prompt_ids"], "max_tokens": 16, "ignore_eos": True}
+    got = _post(base, {**body, **RELEASE_OPTIONS[name]}).json()
+    text = TextAssembler(tiny_models.byte_tokenizer(), [])
+    expected = "".join(text.push(t).text for t in case["answer_ids"]) + text.flush()
+    assert got["choices"][0]["text"] == expected
+    assert got["usage"]["completion_tokens"] == 16
+    if "steps" in RELEASE_OPTIONS[name]:
+        assert got["usage"]["steps"] == case["forward_count"]
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"steps": 3, "block_size": 8}, "steps"),  # 2 blocks: not a multiple
+        ({"steps": 32, "block_size": 8}, "steps"),  # more steps than answer tokens
+        ({"alg": "entropy", "remasking": "random"}, "alg"),
+        ({"alg": "fastest"}, "alg"),
+        ({"alg_temp": -1}, "alg_temp"),
+    ],
+)
+def test_bad_release_options_get_a_clear_400(base, extra, param):
+    r = _post(base, {"model": "llada", "prompt": "a", "max_tokens": 16, **extra})
+    assert r.status_code == 400
+    assert param in json.dumps(r.json()["error"])
