@@ -289,6 +289,7 @@ class DLMEngine:
         end = limit if stop_at is None else stop_at
         first_masked = next((i for i, t in enumerate(answer) if t == self.mask_id), len(answer))
         if first_masked >= end:  # everything the answer keeps is final
+            seq.steps_per_block.append(seq.block_steps)
             if stop_at is None:
                 return self._emit(seq, answer[seq.emitted : end], "length")
             # The stop token counts as generated (as in the AR engine), but is not shown.
@@ -296,6 +297,7 @@ class DLMEngine:
         block_end = seq.block_start + seq.block_size
         if first_masked >= block_end:  # block complete: hand it out and move on
             seq.block += 1
+            seq.steps_per_block.append(seq.block_steps)
             seq.block_steps = 0
             MODES[seq.params.decoding].next_block(seq)
             return self._emit(seq, answer[seq.emitted : block_end], None)

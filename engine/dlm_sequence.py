@@ -59,6 +59,7 @@ class DLMSequence:
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
     tokens_per_step: list[int] = field(default_factory=list)
+    steps_per_block: list[int] = field(default_factory=list)  # of the blocks it finished
     aborted: Callable[[], bool] = lambda: False
 
     @property

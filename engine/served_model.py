@@ -101,11 +101,7 @@ def load_served_model(
         engine = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_dlm_sequence(
-                name,
-                seq.params.decoding,
-                seq.steps,
-                seq.tokens_per_step,
-                time.perf_counter() - seq.started,
+                name, seq.params.decoding, seq, time.perf_counter() - seq.started
             )
             on_step = metrics.dlm_step_latency.labels(name).observe
     else:

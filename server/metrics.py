@@ -115,6 +115,12 @@ class Metrics:
             [*model, "decoding"],
             TOKENS_PER_STEP_BUCKETS,
         )
+        self.dlm_steps_per_block = histogram(
+            "dlm_steps_per_block",
+            "Denoising steps (forward passes, the prefill not included) one block took.",
+            [*model, "decoding"],
+            TOKENS_PER_STEP_BUCKETS,
+        )
         self.dlm_e2e_latency = histogram(
             "dlm_e2e_request_latency_seconds",
             "End to end latency of diffusion requests in seconds.",
@@ -150,13 +156,16 @@ class Metrics:
             for a, b in itertools.pairwise(times):
                 itl.observe(b - a)
 
-    def observe_dlm_sequence(
-        self, model: str, decoding: str, steps: int, tokens_per_step: list[int], seconds: float
-    ) -> None:
-        self.dlm_steps.labels(model, decoding).observe(steps)
+    def observe_dlm_sequence(self, model: str, decoding: str, seq: Any, seconds: float) -> None:
+        """A finished (or aborted) diffusion sequence (engine.dlm_sequence.DLMSequence): its
+        steps, the tokens each step finalized and the steps each block took (vLLM's terms)."""
+        self.dlm_steps.labels(model, decoding).observe(seq.steps)
         per_step = self.dlm_tokens_per_step.labels(model, decoding)
-        for n in tokens_per_step:
+        for n in seq.tokens_per_step:
             per_step.observe(n)
+        per_block = self.dlm_steps_per_block.labels(model, decoding)
+        for n in seq.steps_per_block:
+            per_block.observe(n)
         self.dlm_e2e_latency.labels(model, decoding).observe(seconds)
 
     def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float]]]) -> None:

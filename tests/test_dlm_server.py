@@ -135,6 +135,7 @@ def test_metrics_expose_dlm_series(base):
     for series in (
         "cdlm_serve:dlm_steps_per_request_bucket",
         "cdlm_serve:dlm_tokens_per_step_bucket",
+        "cdlm_serve:dlm_steps_per_block_bucket",
         "cdlm_serve:dlm_e2e_request_latency_seconds_bucket",
         "cdlm_serve:dlm_step_latency_seconds_bucket",
         "cdlm_serve:request_success_total",
@@ -203,3 +204,21 @@ def test_bad_release_options_get_a_clear_400(base, extra, param):
     r = _post(base, {"model": "llada", "prompt": "a", "max_tokens": 16, **extra})
     assert r.status_code == 400
     assert param in json.dumps(r.json()["error"])
+
+
+def _series(base: str, name: str, *labels: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+    return sum(float(ln.split()[-1]) for ln in lines if all(lb in ln for lb in labels))
+
+
+def test_steps_per_block_histogram_counts_each_block(base):
+    """16 tokens in blocks of 8 on a fixed schedule of 8 steps: two blocks of 4 steps each."""
+    labels = ('model_name="llada"', 'decoding="vanilla"')
+    count = _series(base, "cdlm_serve:dlm_steps_per_block_count", *labels)
+    total = _series(base, "cdlm_serve:dlm_steps_per_block_sum", *labels)
+    body = {"model": "llada", "prompt": "a", "max_tokens": 16, "ignore_eos": True}
+    r = _post(base, {**body, "block_size": 8, "steps": 8, "decoding": "vanilla"})
+    assert r.status_code == 200 and r.json()["usage"]["steps"] == 8
+    assert _series(base, "cdlm_serve:dlm_steps_per_block_count", *labels) == count + 2
+    assert _series(base, "cdlm_serve:dlm_steps_per_block_sum", *labels) == total + 8
