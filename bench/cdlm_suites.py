@@ -74,19 +74,43 @@ def task_scores(row: Row, limit: int, args: Any) -> tuple[dict[str, float], floa
 
 
 def text_runs(rows: list[Row], prompts: list[str], args: Any) -> dict[str, list[tuple]]:
-    """Per row: (latency, steps, tokens, text) for each prompt, batch 1, rows interleaved."""
+    """Per row: (latency, steps, tokens, text) for each prompt, batch 1, rows interleaved.
+    Every answer is `--max-tokens` long (ignore_eos), so every decoder does the same work; the
+    text scored is the answer up to its first end-of-text token."""
     runs: dict[str, list[tuple]] = {r.name: [] for r in rows}
     for prompt in prompts:
         for row in rows:
-            ids = row.engine.tokenizer.encode(prompt, add_special_tokens=False)
-            params = _params(row.engine, row.decoding, args.max_tokens, args)
+            engine = row.engine
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+            params = _params(engine, row.decoding, args.max_tokens, args)
+            params.ignore_eos = True
             started = time.perf_counter()
-            outs = list(row.engine.generate(ids, params))
+            outs = list(engine.generate(ids, params))
             latency = time.perf_counter() - started
-            text = "".join(o.text for o in outs)
-            tokens = sum(len(o.token_ids) for o in outs)
-            runs[row.name].append((latency, outs[-1].steps, tokens, text))
+            answer = [t for o in outs for t in o.token_ids]
+            end = next((i for i, t in enumerate(answer) if t in engine.eos_token_ids), None)
+            text = engine.tokenizer.decode(answer[:end], skip_special_tokens=True)
+            runs[row.name].append((latency, outs[-1].steps, len(answer), text))
     return runs
+
+
+def speed(done: list[tuple]) -> dict[str, float]:
+    """Median latency, mean steps and tokens/s of one row's text runs."""
+    return {
+        "latency_s": round(statistics.median(r[0] for r in done), 4),
+        "steps": round(statistics.mean(r[1] for r in done), 2),
+        "tok_s": round(sum(r[2] for r in done) / sum(r[0] for r in done), 2),
+    }
+
+
+def both_paths(rows: list[Row], prompts: list[str], args: Any) -> tuple[dict, dict]:
+    """The text runs twice: each decoder on its fastest path (the fused CPU kernels wherever
+    they apply), then every decoder on the same (PyTorch) path. Returns (fastest runs,
+    same-path speeds)."""
+    fastest = text_runs(rows, prompts, args)
+    with kernels.cpu_kernels(False):
+        same = text_runs(rows, prompts, args)
+    return fastest, {name: speed(done) for name, done in same.items()}
 
 
 class Judge:
@@ -139,16 +163,15 @@ def run(args: Any) -> dict:
         rows.append(Row(f"cdlm_{name}", engine_for(resolve(folder), dtype, args.batch), "cdlm"))
     prose = held_out_prose(args.text_limit)
     prompts = [p for p, _ in prose]
-    runs = text_runs(rows, prompts, args)
+    runs, same_path = both_paths(rows, prompts, args)
     judge = Judge()
     result: dict[str, dict] = {}
     for row in rows:
         scores, task_steps = task_scores(row, args.limit, args)
         text = runs[row.name]
         result[row.name] = {
-            "latency_s": round(statistics.median(r[0] for r in text), 4),
-            "steps": round(statistics.mean(r[1] for r in text), 2),
-            "tok_s": round(sum(r[2] for r in text) / sum(r[0] for r in text), 2),
+            **speed(text),
+            "same_path": same_path[row.name],
             "score": round(statistics.mean(scores.values()), 2),
             "exact_match": scores,
             "task_steps": round(task_steps, 2),
@@ -182,3 +205,16 @@ def _print(result: dict, args: Any) -> None:
             f"{r['tok_s']:>8.1f}{r['score']:>7.1f}{em['addition3']:>7.1f}{em['trace4']:>7.1f}"
             f"{r['task_steps']:>8.1f}{r['gen_ppl']:>9.2f}{r['entropy']:>8.3f}"
         )
+    print_same_path({k: v["same_path"] for k, v in result.items() if k != "reference"})
+
+
+def print_same_path(rows: dict[str, dict]) -> None:
+    """The text suite again with every decoder on the same (PyTorch) path: the algorithms'
+    difference without the kernels'."""
+    fused = "fused CPU kernels off" if kernels.enable_cpu_kernels() else "no fused kernels here"
+    print(f"\nsame path for every decoder ({fused})")
+    print(f"{'row':<22}{'latency':>10}{'':>8}{'steps':>8}{'tok/s':>8}")
+    base = rows["vanilla"]
+    for name, r in rows.items():
+        fast = f"({base['latency_s'] / r['latency_s']:.1f}x)" if name != "vanilla" else ""
+        print(f"{name:<22}{r['latency_s']:>8.2f} s{fast:>8}{r['steps']:>8.1f}{r['tok_s']:>8.1f}")

@@ -7,9 +7,11 @@
 With no model arguments it evaluates the shipped teacher (vanilla, fast_dllm) and student
 (cdlm) on our held-out suites: see bench/cdlm_suites.py. Otherwise each JSONL line is
 {"prompt": ..., "reference": ... (optional)}. Every prompt is decoded alone (batch 1) by each
-decoder in turn, so machine noise hits all three alike; reported per decoder: median latency
-per answer, mean steps (forward passes), tokens/s, and exact match (%) against
-the references where they exist. vanilla and fast_dllm run `--model` (the bidirectional
+decoder in turn, so machine noise hits all three alike, each to the same length (`ignore_eos`;
+the text scored ends at the first end-of-text), twice: each decoder on its fastest path (the
+fused CPU kernels where this CPU has them), then all on the same PyTorch path. Reported per
+decoder: median latency per answer, mean steps (forward passes), tokens/s, and exact match (%)
+against the references where they exist. vanilla and fast_dllm run `--model` (the bidirectional
 teacher); cdlm runs `--cdlm-model` (the block-causal student), or `--model` if none is given.
 
 `--per-step` measures what one step costs: a cached CDLM block step (B new tokens against a
@@ -64,7 +66,7 @@ def run_table(args: argparse.Namespace) -> dict:
         for d in ("vanilla", "fast_dllm", "cdlm")
     ]
     items = read_prompts(args.prompts, args.limit)
-    runs = cdlm_suites.text_runs(rows, [item.prompt for item in items], args)
+    runs, same_path = cdlm_suites.both_paths(rows, [item.prompt for item in items], args)
     result = {}
     for decoding, done in runs.items():
         scored = [
@@ -73,12 +75,12 @@ def run_table(args: argparse.Namespace) -> dict:
             if item.reference is not None
         ]
         result[decoding] = {
-            "latency_s": round(statistics.median(r[0] for r in done), 4),
-            "steps": round(statistics.mean(r[1] for r in done), 2),
-            "tok_s": round(sum(r[2] for r in done) / sum(r[0] for r in done), 2),
+            **cdlm_suites.speed(done),
+            "same_path": same_path[decoding],
             "score": round(100 * sum(scored) / len(scored), 2) if scored else None,
         }
     _print_table(result, len(items), args)
+    cdlm_suites.print_same_path(same_path)
     return result
 
 
