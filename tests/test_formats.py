@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -324,3 +325,53 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(tmp_path)
+
+
+# CDLM's students (minseo25/CDLM-Dream, minseo25/CDLM-LLaDA) are LoRA fine-tunes of attention
+# and MLP on Dream-7B / LLaDA-8B. Whether the hub holds PEFT adapters or merged weights could not
+# be checked from here (no hub access; D2F, whose training code CDLM builds on, publishes
+# adapters), so both layouts must load, and to the same model.
+CDLM_TARGETS = {
+    "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
+}
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_cdlm_student_loads_as_adapter_or_merged(tmp_path, family):
+    base = tmp_path / "base"
+    {"dream": tiny_models.dream_tiny, "llada": tiny_models.llada_tiny}[family](base)
+    weights = load_file(str(base / "model.safetensors"))  # the release's own names
+    gen = torch.Generator().manual_seed(7)
+    r, alpha = 8, 16.0
+    lora, merged = {}, dict(weights)
+    for name, w in weights.items():
+        module = name.removesuffix(".weight")
+        if w.dim() != 2 or module.rsplit(".", 1)[-1] not in CDLM_TARGETS[family]:
+            continue
+        a = torch.randn(r, w.shape[1], generator=gen) * 0.1
+        b = torch.randn(w.shape[0], r, generator=gen) * 0.1
+        lora[f"base_model.model.{module}.lora_A.weight"] = a
+        lora[f"base_model.model.{module}.lora_B.weight"] = b
+        merged[name] = w + (alpha / r) * b @ a
+    # PEFT matches target names as suffixes: LLaDA's LM head is `model.transformer.ff_out`,
+    # so an "ff_out" target wraps the head too.
+    wrapped = 7 * tiny_models.TINY_DIMS["num_hidden_layers"] + (family == "llada")
+    assert len(lora) == 2 * wrapped
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(lora, str(adapter / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none"}
+    config |= {"base_model_name_or_path": "../base", "target_modules": CDLM_TARGETS[family]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    full = tmp_path / "merged"
+    shutil.copytree(base, full)
+    save_file(merged, str(full / "model.safetensors"), metadata={"format": "pt"})
+    ids = _ids()
+    logits = []
+    for folder in (adapter, full, base):
+        model, _ = load_model(folder)
+        with torch.no_grad():
+            logits.append(model.logits(model(ids)))
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
+    assert (logits[0] - logits[2]).abs().max().item() > 1e-2  # the adapter changed the model
