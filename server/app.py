@@ -175,7 +175,12 @@ def create_app(
     state = ServerState(settings, store)
     state.metrics.add_gauges(state.gauges)
     state.metrics.add_session_gauges(
-        lambda: (len(store.ids()), store.memory_bytes(), store.disk_bytes())
+        lambda: (
+            len(store.ids()),
+            store.memory_bytes(),
+            store.disk_bytes(),
+            store.max_disk_bytes or 0,
+        )
     )
 
     @asynccontextmanager
@@ -191,7 +196,8 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestContext, api_key=settings.api_key)  # outermost: added last
+    # Outermost (added last): counts every answer, the 401s and 413s too.
+    app.add_middleware(RequestContext, api_key=settings.api_key, count=state.metrics.count_http)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
     @app.get("/health")

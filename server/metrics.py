@@ -46,6 +46,11 @@ class Metrics:
         def counter(name: str, doc: str, labels: list[str]) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=self.registry)
 
+        self.http_requests = counter(
+            "http_requests",
+            "HTTP requests answered, by method, route template and status code.",
+            ["method", "route", "status"],
+        )
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.", model)
         self.generation_tokens = counter(
             "generation_tokens", "Number of generation tokens processed.", model
@@ -173,8 +178,12 @@ class Metrics:
         KV cache usage fraction)}."""
         self.registry.register(_EngineGauges(read))
 
-    def add_session_gauges(self, read: Callable[[], tuple[int, int, int]]) -> None:
-        """`read()` -> (sessions, bytes of caches in memory, bytes on disk), at scrape time."""
+    def count_http(self, method: str, route: str, status: int) -> None:
+        self.http_requests.labels(method, route, str(status)).inc()
+
+    def add_session_gauges(self, read: Callable[[], tuple[int, int, int, int]]) -> None:
+        """`read()` -> (sessions, bytes of caches in memory, bytes on disk, the disk quota in
+        bytes or 0 for none), at scrape time."""
         self.registry.register(_SessionGauges(read))
 
     def render(self) -> bytes:
@@ -211,15 +220,20 @@ class _EngineGauges(Collector):
 
 
 class _SessionGauges(Collector):
-    def __init__(self, read: Callable[[], tuple[int, int, int]]):
+    def __init__(self, read: Callable[[], tuple[int, int, int, int]]):
         self.read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        count, memory, disk = self.read()
+        count, memory, disk, quota = self.read()
         yield GaugeMetricFamily(PREFIX + "sessions", "Sessions known to the server.", count)
         yield GaugeMetricFamily(
             PREFIX + "session_memory_bytes", "Bytes of session KV caches held in memory.", memory
         )
         yield GaugeMetricFamily(
             PREFIX + "session_disk_bytes", "Bytes of sessions stored on disk.", disk
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "session_disk_quota_bytes",
+            "The session store's disk quota in bytes (0: no quota).",
+            quota,
         )

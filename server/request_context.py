@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,14 +46,27 @@ def _authorized(headers: Headers, api_key: str) -> bool:
     return secrets.compare_digest(given.encode(), api_key.encode())
 
 
+def _route(scope: Scope) -> str:
+    """The matched route's template (`/v1/sessions/{session_id}`), never the raw path, so the
+    label's values stay few whatever clients send; "-" when no route matched."""
+    route = scope.get("route")
+    return getattr(route, "path", "-")
+
+
 class RequestContext:
     """The request's id (its `X-Request-Id`, or a new one) in every log line and on the
     response; 401 without the API key on every path but `OPEN_PATHS`; one log line when the
     response has been sent."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None = None,
+        count: Callable[[str, str, int], None] | None = None,
+    ):
         self.app = app
         self.api_key = api_key
+        self.count = count  # (method, route template, status) of each answered request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,8 +97,12 @@ class RequestContext:
                     code="invalid_api_key",
                 )
                 await error_response(error)(scope, receive, send_with_id)
+                if self.count is not None:
+                    self.count(scope["method"], "-", 401)
                 return
             await self.app(scope, receive, send_with_id)
+            if self.count is not None:
+                self.count(scope["method"], _route(scope), status)
             log.info(
                 "%s %s -> %d in %.3fs",
                 scope["method"],

@@ -256,3 +256,37 @@ def test_client_disconnect_aborts_a_non_streamed_request(tight):
     assert 0 < generated - tokens_before < 450
     short = {"model": "tiny", "prompt": "b", "max_tokens": 3}
     assert httpx.post(f"{tight}/v1/completions", json=short).status_code == 200
+
+
+def test_http_requests_are_counted_by_route_template_and_status(base):
+    def count(route: str, status: str, method: str) -> float:
+        for line in httpx.get(f"{base}/metrics").text.splitlines():
+            if (
+                line.startswith("cdlm_serve:http_requests_total{")
+                and all(f'{k}="{v}"' in line for k, v in (("route", route), ("status", status)))
+                and f'method="{method}"' in line
+            ):
+                return float(line.split()[-1])
+        return 0.0
+
+    ok = count("/v1/completions", "200", "POST")
+    missing = count("/v1/sessions/{sid}", "404", "GET")
+    nowhere = count("-", "404", "GET")
+    denied = count("-", "401", "GET")
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/completions", json=body, headers=_h()).status_code == 200
+    r = httpx.get(f"{base}/v1/sessions/no-such-session", headers=_h())
+    assert r.status_code == 404
+    assert httpx.get(f"{base}/v1/no/such/route/x1", headers=_h()).status_code == 404
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    assert count("/v1/completions", "200", "POST") == ok + 1
+    # The route's template, not the id the client sent: a label cannot be blown up by clients.
+    assert count("/v1/sessions/{sid}", "404", "GET") == missing + 1
+    assert count("-", "404", "GET") == nowhere + 1 and count("-", "401", "GET") == denied + 1
+    assert "no-such-session" not in httpx.get(f"{base}/metrics").text
+    quota = next(
+        line
+        for line in httpx.get(f"{base}/metrics").text.splitlines()
+        if line.startswith("cdlm_serve:session_disk_quota_bytes ")
+    )
+    assert float(quota.split()[-1]) == 20e9  # the default --sessions-disk-gb
