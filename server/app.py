@@ -22,7 +22,7 @@ from models.fetch import serve_home
 from server import chat, completions, planning, sessions_api, streaming
 from server.errors import APIError, error_body, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
-from server.request_context import RequestContext
+from server.request_context import RequestContext, session_from_header
 from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.schemas import (
     ChatCompletionRequest,
@@ -244,6 +244,7 @@ def create_app(
     )
     async def create_completion(req: CompletionRequest, request: Request):
         served = state.get(req.model)
+        req.session_id = session_from_header(request, req.session_id)
         if req.session_id is not None:
             return await sessions_api.continue_session(state, served, req, request)
         choices = planning.plan_completion(served, req)

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 import secrets
 import time
 import uuid
 from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.session_store import SESSION_ID_PATTERN
 from server.errors import APIError, error_response
 
 log = logging.getLogger("server.app")
@@ -29,6 +32,7 @@ log = logging.getLogger("server.app")
 OPEN_PATHS = frozenset(
     {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 )
+SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -44,6 +48,24 @@ def _authorized(headers: Headers, api_key: str) -> bool:
     auth = headers.get("authorization", "")
     given = auth[7:] if auth.lower().startswith("bearer ") else ""
     return secrets.compare_digest(given.encode(), api_key.encode())
+
+
+SESSION_HEADER = "x-session-id"  # what session-aware routers hash (vLLM production-stack too)
+
+
+def session_from_header(request: Request, body_session: str | None) -> str | None:
+    """The session a completion continues: `session_id` in the body or the `X-Session-Id`
+    header (both, they must agree), checked by the same rule as the body's."""
+    header = request.headers.get(SESSION_HEADER)
+    if header is None:
+        return body_session
+    if not SESSION_ID_RE.fullmatch(header):
+        raise APIError(400, f"invalid {SESSION_HEADER} header", param=SESSION_HEADER)
+    if body_session is not None and body_session != header:
+        raise APIError(
+            400, f"session_id and the {SESSION_HEADER} header disagree", param="session_id"
+        )
+    return header
 
 
 def _route(scope: Scope) -> str:

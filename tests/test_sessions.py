@@ -222,3 +222,21 @@ def test_an_answered_append_is_already_on_disk(base, store):
     ) as stream:
         at_done = [on_disk() for line in stream.iter_lines() if line == "data: [DONE]"]
     assert at_done and at_done[0] > grown  # read the moment [DONE] arrived
+
+
+def test_session_can_be_named_by_the_x_session_id_header(base):
+    """Routers hash a header, not a JSON body: the header names the session as well."""
+    httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "hdr", "prompt": CONTEXT})
+    body = {"model": "tiny", "prompt": "Q:", "max_tokens": 6, "temperature": 0, "append": False}
+    url = f"{base}/v1/completions"
+    by_body = httpx.post(url, json={**body, "session_id": "hdr"}).json()
+    by_header = httpx.post(url, json=body, headers={"X-Session-Id": "hdr"}).json()
+    both = httpx.post(url, json={**body, "session_id": "hdr"}, headers={"X-Session-Id": "hdr"})
+    assert by_header["choices"][0]["text"] == by_body["choices"][0]["text"]
+    assert both.json()["choices"][0]["text"] == by_body["choices"][0]["text"]
+    disagree = httpx.post(url, json={**body, "session_id": "s1"}, headers={"X-Session-Id": "hdr"})
+    assert disagree.status_code == 400 and disagree.json()["error"]["param"] == "session_id"
+    bad = httpx.post(url, json=body, headers={"X-Session-Id": "../etc"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-session-id"
+    missing = httpx.post(url, json=body, headers={"X-Session-Id": "no-such"})
+    assert missing.status_code == 404  # the header alone names a session
