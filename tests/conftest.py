@@ -113,3 +113,26 @@ def _server_process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def running_prometheus(binary: str, config: str, folder: Path) -> Iterator[str]:
+    """A real Prometheus with `config` (YAML text), its data in `folder`, on a free port;
+    yields its query API's URL (it may still be starting: callers poll)."""
+    port = free_port()
+    (folder / "prometheus.yml").write_text(config)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}/api/v1/query"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import tiny_models
-from conftest import free_port, running_server
+from conftest import running_prometheus, running_server
 from test_ops import _tool
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -108,8 +108,6 @@ def busy_server(tmp_path_factory, tiny_llama_dir):
 
 
 def test_prometheus_answers_every_dashboard_and_alert_query(busy_server, tmp_path):
-    prometheus = _tool("prometheus")
-    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
@@ -120,21 +118,9 @@ def test_prometheus_answers_every_dashboard_and_alert_query(busy_server, tmp_pat
             }
         ],
     }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [
-            prometheus,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    api = f"http://127.0.0.1:{port}/api/v1/query"
     pending = _queries()
     errors: dict[str, str] = {}
-    try:
+    with running_prometheus(_tool("prometheus"), yaml.safe_dump(config), tmp_path) as api:
         deadline = time.monotonic() + 90
         while pending and time.monotonic() < deadline:
             for name, expr in list(pending.items()):
@@ -147,8 +133,5 @@ def test_prometheus_answers_every_dashboard_and_alert_query(busy_server, tmp_pat
                 elif answer["data"]["result"]:
                     del pending[name]
             time.sleep(1)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     assert not errors, errors
     assert not pending, f"no data for: {pending}"

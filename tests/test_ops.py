@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, running_server
+from conftest import running_prometheus, running_server
 
 REQUIRED = os.environ.get("CDLM_REQUIRE_OPS_TOOLS") == "1"  # .ci/run installs them
 
@@ -43,26 +43,13 @@ def base(tiny_llama_dir):
 
 
 def test_prometheus_scrapes_our_series(base, tmp_path):
-    prometheus = _tool("prometheus")
-    port = free_port()
     target = base.removeprefix("http://")
-    (tmp_path / "prometheus.yml").write_text(
+    config = (
         "global:\n  scrape_interval: 1s\n"
         "scrape_configs:\n  - job_name: cdlm\n    static_configs:\n"
         f"      - targets: ['{target}']\n"
     )
-    proc = subprocess.Popen(
-        [
-            prometheus,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    api = f"http://127.0.0.1:{port}/api/v1/query"
-    try:
+    with running_prometheus(_tool("prometheus"), config, tmp_path) as api:
         for _ in range(3):
             r = httpx.post(
                 f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5}
@@ -87,12 +74,9 @@ def test_prometheus_scrapes_our_series(base, tmp_path):
                 if series:
                     values[key] = float(series[0]["value"][1])
             time.sleep(0.5)
-        assert values.get("up") == 1.0, values
-        assert values.get("success", 0) >= 3 and values.get("ttft", 0) >= 3, values
-        assert "running" in values and "kv" in values, values
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    assert values.get("up") == 1.0, values
+    assert values.get("success", 0) >= 3 and values.get("ttft", 0) >= 3, values
+    assert "running" in values and "kv" in values, values
 
 
 def test_schemathesis_finds_no_server_errors(base, tmp_path):
