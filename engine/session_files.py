@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import asdict, dataclass
@@ -270,6 +271,35 @@ def recover(folder: Path) -> Version | None:
     version = read_version(folder)
     _remove_unreferenced(folder, version)
     return version
+
+
+SEGMENT_NAME = re.compile(r"kv-[0-9]{1,18}\.safetensors")
+
+
+def install(folder: Path, meta: bytes, files: dict[str, bytes]) -> Version:
+    """Put a version that was committed elsewhere (the shared tier) in `folder`, replacing
+    what is there: its files go to a new folder under a trash name (removed at start-up if a
+    crash stops us), which then takes the old one's place. A crash between the two renames
+    leaves no local copy, and the shared one is still there to fetch again."""
+    names = [s.file for s in Version.from_json(json.loads(meta)).segments]
+    if sorted(names) != sorted(files) or not all(SEGMENT_NAME.fullmatch(n) for n in names):
+        raise CorruptSession(f"{folder.name}: the fetched files do not match their meta.json")
+    staging = folder.with_name(f"{TRASH_PREFIX}fetch-{folder.name}-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        for name, blob in files.items():
+            (staging / name).write_bytes(blob)
+            _fsync_file(staging / name)
+        (staging / META).write_bytes(meta)
+        _fsync_file(staging / META)
+        fsync_dir(staging)
+        trash(folder)
+        os.replace(staging, folder)
+        fsync_dir(folder.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return read_version(folder)
 
 
 def trash(folder: Path) -> None:

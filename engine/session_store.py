@@ -34,6 +34,7 @@ import torch
 
 from engine import session_files
 from engine.session_files import CorruptSession, Version
+from engine.session_mirror import SessionMirror
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -138,8 +139,11 @@ class SessionStore:
         max_bytes: int,
         max_sessions: int = 1024,
         max_disk_bytes: int | None = None,
+        mirror: SessionMirror | None = None,
     ):
         root.mkdir(parents=True, exist_ok=True)
+        self.mirror = mirror  # the shared tier (engine.session_mirror), if any
+        self._adopting = threading.Lock()  # one fetch of a session from the tier at a time
         self.root = root.resolve()
         self.max_bytes = max_bytes  # caches kept in memory
         self.max_sessions = max_sessions
@@ -173,19 +177,7 @@ class SessionStore:
             if version is None:
                 log.info("removed %s: a create that was never committed", path)
                 continue
-            session = Session(
-                version.id,
-                version.model,
-                version.tokens,
-                None,
-                version.next_input,
-                version.compactions,
-                version.created,
-                version=version,
-                disk_slots=version.length,
-                dirty=False,
-            )
-            self._sessions[session.id] = session
+            self._sessions[version.id] = _from_version(version)
             self._disk_bytes += version.disk_bytes
 
     def ids(self) -> list[str]:
@@ -204,8 +196,9 @@ class SessionStore:
         """A new session in the table (not yet on disk: `persist` it before answering)."""
         sid = check_id(session_id) if session_id is not None else f"sess-{uuid.uuid4().hex}"
         self.folder(sid)
+        shared = self.mirror is not None and self.mirror.generation(sid) is not None
         with self._lock:
-            if sid in self._sessions:
+            if sid in self._sessions or shared:
                 raise SessionExists(f"session {sid!r} already exists")
             if len(self._sessions) >= self.max_sessions:
                 raise SessionLimit(
@@ -217,14 +210,75 @@ class SessionStore:
         return session
 
     def get(self, sid: str) -> Session | None:
+        """The session, from the shared tier if this replica does not have it (blocking I/O
+        then: not for the event loop)."""
         with self._lock:
             session = self._sessions.get(sid)
             if session is not None:
                 self._sessions.move_to_end(sid)
-            return session
+                return session
+        return None if self.mirror is None else self._adopt(sid)
+
+    def _adopt(self, sid: str) -> Session | None:
+        """A session another replica created or changed last: its shared copy, fetched into
+        our folder and our table."""
+        assert self.mirror is not None
+        with self._adopting:
+            with self._lock:
+                if sid in self._sessions:  # fetched meanwhile
+                    return self._sessions[sid]
+            version = self.mirror.fetch(sid, self.folder(sid))
+            if version is None:
+                return None
+            with self._lock:
+                self._sessions[sid] = _from_version(version)
+                self._disk_bytes += version.disk_bytes
+                return self._sessions[sid]
+
+    # ---- the shared tier ---------------------------------------------------------------------
+    def take_lease(self, sid: str, wait: float) -> bool:
+        """The right to change the session among all replicas (always, without a tier)."""
+        return self.mirror is None or self.mirror.acquire(sid, wait)
+
+    def drop_lease(self, sid: str) -> None:
+        if self.mirror is not None:
+            self.mirror.release(sid)
+
+    def refresh(self, session: Session, publish: bool = True) -> bool:
+        """Bring the session up to its shared copy, which another replica may have changed
+        since (hold its lock, and its lease to `publish` a local copy the tier lacks; blocking
+        I/O). False if another replica deleted it (it is then gone here too)."""
+        if self.mirror is None or session.version is None:
+            return True
+        shared = self.mirror.generation(session.id)
+        local = session.version.generation
+        if shared is None:
+            if self.mirror.deleted(session.id):
+                self._delete_local(session)
+                return False
+            shared = -1  # never shared (the tier was empty or added later): publish ours
+        if shared < local or shared == -1:
+            if publish:
+                self.mirror.publish(session.id, self.folder(session.id), session.version)
+        elif shared > local:
+            with self._adopting:
+                version = self.mirror.fetch(session.id, self.folder(session.id))
+            if version is None:  # deleted between the two reads
+                self._delete_local(session)
+                return False
+            with self._lock:
+                self._disk_bytes += version.disk_bytes - session.version.disk_bytes
+            _take_version(session, version)
+        return True
 
     def delete(self, session: Session) -> None:
-        """Remove a session from the table and the disk (hold its lock; blocking I/O)."""
+        """Remove a session from the table, the shared tier and the disk (hold its lock and
+        lease; blocking I/O)."""
+        if self.mirror is not None and session.version is not None:
+            self.mirror.remove(session.id)  # first: if the tier is down, nothing is deleted
+        self._delete_local(session)
+
+    def _delete_local(self, session: Session) -> None:
         with self._lock:
             if self._sessions.get(session.id) is session:
                 del self._sessions[session.id]
@@ -321,6 +375,8 @@ class SessionStore:
         session.version = committed
         session.disk_slots = committed.length
         session.dirty = False
+        if self.mirror is not None:  # written through before anyone is told
+            self.mirror.publish(session.id, self.folder(session.id), committed)
 
     def persist_all(self) -> None:
         for sid in self.ids():
@@ -328,3 +384,21 @@ class SessionStore:
             if session is not None and session.dirty:
                 with session.lock:
                     self.persist(session)
+
+
+def _from_version(version: Version) -> Session:
+    """A committed version as a session in the table (its cache stays on disk until used)."""
+    session = Session(version.id, version.model, [], None)
+    _take_version(session, version)
+    return session
+
+
+def _take_version(session: Session, version: Version) -> None:
+    session.tokens = list(version.tokens)
+    session.cache = None  # read from the version's files when next used
+    session.next_input = version.next_input
+    session.compactions = list(version.compactions)
+    session.created = version.created
+    session.version = version
+    session.disk_slots = version.length
+    session.dirty = False

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core_share import CoreShare
 from engine.served_model import ServedModel, load_served_model
+from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
 from server import chat, completions, planning, sessions_api, streaming
@@ -59,6 +60,7 @@ class ServerSettings:
     session_lock_wait: float = 10.0  # seconds a busy session is waited for before 409
     max_sessions: int = 1024
     sessions_disk_bytes: int | None = 20 << 30  # None: no quota
+    sessions_redis: str | None = None  # redis://host:port/db of the shared session tier
     compaction_omp_budget: float = 60.0  # seconds of exact OMP per compaction (then faster)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
@@ -171,6 +173,7 @@ def create_app(
         settings.session_memory_bytes,
         settings.max_sessions,
         settings.sessions_disk_bytes,
+        SessionMirror(settings.sessions_redis) if settings.sessions_redis else None,
     )
     state = ServerState(settings, store)
     state.metrics.add_gauges(state.gauges)

@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "answer 507, 0 = no quota (env CDLM_SERVE_SESSIONS_DISK_GB; default 20)",
     )
     serve.add_argument(
+        "--sessions-redis",
+        default=_env("SESSIONS_REDIS"),
+        metavar="redis://HOST:PORT/DB",
+        help="share sessions between replicas through Redis: every change is written through, "
+        "a replica without a session loads it from there, and a lease keeps two replicas from "
+        "changing one session at once (env CDLM_SERVE_SESSIONS_REDIS)",
+    )
+    serve.add_argument(
         "--compaction-omp-budget",
         type=float,
         default=float(_env("COMPACTION_OMP_BUDGET", "60") or 60),
@@ -225,6 +233,7 @@ def serve(args: argparse.Namespace) -> None:
         session_lock_wait=args.session_lock_wait,
         max_sessions=args.max_sessions,
         sessions_disk_bytes=int(args.sessions_disk_gb * 1e9) if args.sessions_disk_gb else None,
+        sessions_redis=args.sessions_redis,
         compaction_omp_budget=args.compaction_omp_budget,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
     )

@@ -26,6 +26,7 @@ from engine import model_work
 from engine.core_share import CoreShare
 from engine.kv_compaction import OnEngine, compact_row
 from engine.served_model import ServedModel
+from engine.session_mirror import MirrorError
 from engine.session_store import Session, SessionError, SessionStore, check_id
 from models.kv_cache import KVCache
 from server import completions, planning, streaming
@@ -48,12 +49,20 @@ def session_error(e: SessionError, param: str = "id") -> APIError:
     return APIError(e.status, str(e), param=param, code=codes.get(e.status))
 
 
-def find(state: ServerState, sid: str, param: str = "session_id") -> Session:
+def tier_error(e: MirrorError) -> APIError:
+    return APIError(503, str(e), param="session_id", code="session_tier_unavailable")
+
+
+async def find(state: ServerState, sid: str, param: str = "session_id") -> Session:
+    """The session (from the shared tier if another replica has it); 404 if there is none."""
     try:
         check_id(sid)
     except SessionError as e:
         raise session_error(e, param) from None
-    session = state.sessions.get(sid)
+    try:
+        session = await asyncio.to_thread(state.sessions.get, sid)
+    except MirrorError as e:
+        raise tier_error(e) from None
     if session is None:
         raise APIError(
             404, f"session {sid!r} does not exist", param=param, code="session_not_found"
@@ -75,25 +84,76 @@ def bytes_per_token(served: ServedModel) -> int:
     )
 
 
-async def acquire(session: Session, wait: float) -> None:
-    """Take the session's lock; 409 if it stays busy for `wait` seconds."""
+def _busy(session: Session, where: str) -> APIError:
+    return APIError(
+        409,
+        f"session {session.id!r} is busy {where} (a compaction or a completion is running); "
+        "try again",
+        param="session_id",
+        code="session_busy",
+    )
+
+
+async def acquire(store: SessionStore, session: Session, wait: float) -> None:
+    """Take the session's lock, then its lease among replicas (409 if either stays busy for
+    `wait` seconds), and bring it up to the shared copy (404 if another replica deleted it)."""
     if not await asyncio.to_thread(session.lock.acquire, True, wait):
+        raise _busy(session, "here")
+    try:
+        if not await asyncio.to_thread(store.take_lease, session.id, wait):
+            raise _busy(session, "on another replica")
+        try:
+            if not await asyncio.to_thread(store.refresh, session):
+                raise APIError(
+                    404,
+                    f"session {session.id!r} was deleted",
+                    param="session_id",
+                    code="session_not_found",
+                )
+        except BaseException:
+            store.drop_lease(session.id)
+            raise
+    except MirrorError as e:
+        session.lock.release()
+        raise tier_error(e) from None
+    except BaseException:
+        session.lock.release()
+        raise
+
+
+async def catch_up(store: SessionStore, session: Session) -> None:
+    """For a read: the session as the shared tier has it, if another replica changed it. A
+    session busy here is being changed by this replica, whose copy is the current one."""
+    if store.mirror is None or not session.lock.acquire(blocking=False):
+        return
+    try:
+        current = await asyncio.to_thread(store.refresh, session, False)
+    except MirrorError as e:
+        raise tier_error(e) from None
+    finally:
+        session.lock.release()
+    if not current:
         raise APIError(
-            409,
-            f"session {session.id!r} is busy (a compaction or a completion is running); try again",
+            404,
+            f"session {session.id!r} was deleted",
             param="session_id",
-            code="session_busy",
+            code="session_not_found",
         )
 
 
+def release(store: SessionStore, session: Session) -> None:
+    store.drop_lease(session.id)
+    session.lock.release()
+
+
 @asynccontextmanager
-async def locked(session: Session, wait: float = 10.0) -> AsyncIterator[None]:
-    """Hold the session's lock (409 if it stays busy for `wait` seconds)."""
-    await acquire(session, wait)
+async def locked(store: SessionStore, session: Session, wait: float = 10.0) -> AsyncIterator[None]:
+    """Hold the session's lock and lease (409 if they stay busy for `wait` seconds)."""
+    await acquire(store, session, wait)
     try:
         yield
     finally:
-        session.lock.release()
+        release(store, session)
 
 
 async def unstoppable(work: Awaitable[T]) -> T:
@@ -106,6 +166,8 @@ async def persist(store: SessionStore, session: Session) -> None:
     """Commit the session to disk (hold its lock); 507 if the disk refuses."""
     try:
         await asyncio.to_thread(store.persist, session)
+    except MirrorError as e:  # stored here, not shared: published again at its next use
+        raise tier_error(e) from None
     except OSError as e:
         raise APIError(
             507,
@@ -131,7 +193,7 @@ async def using(state: ServerState, session: Session) -> AsyncIterator[None]:
     way out, whatever happened (an answer, an abort, a cancelled request), what the engine
     appended is committed and only then is the lock released, shielded from cancellation: the
     lock never goes while a write of the session is still running."""
-    await acquire(session, state.settings.session_lock_wait)
+    await acquire(state.sessions, session, state.settings.session_lock_wait)
 
     async def finish() -> None:
         try:
@@ -139,7 +201,7 @@ async def using(state: ServerState, session: Session) -> AsyncIterator[None]:
         except APIError as e:  # the answer already said so, or was never asked for
             log.warning("session %s not stored: %s", session.id, e.message)
         finally:
-            session.lock.release()
+            release(state.sessions, session)
         await spill(state.sessions)
 
     try:
@@ -153,7 +215,7 @@ async def continue_session(
 ) -> Response:
     """POST /v1/completions with `session_id`: continue from the session's cache. With
     `append`, the grown session is on disk before the answer (or the stream's [DONE])."""
-    session = find(state, req.session_id)
+    session = await find(state, req.session_id)
     if session.model != req.model:
         raise APIError(
             400, f"session {session.id!r} belongs to model {session.model!r}", param="model"
@@ -313,13 +375,15 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
                 )
         try:
             store.check_room(len(ids) * bytes_per_token(served))
-            session = store.create(req.model, req.id)
+            session = await asyncio.to_thread(store.create, req.model, req.id)
         except SessionError as e:
             raise session_error(e) from None
+        except MirrorError as e:
+            raise tier_error(e) from None
 
         async def build() -> None:
             try:
-                async with locked(session, wait):
+                async with locked(store, session, wait):
                     if ids:
                         cache = await asyncio.to_thread(
                             model_work.prefill, served.model, ids, served.thread.run
@@ -342,15 +406,20 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
 
     @app.get("/v1/sessions/{sid}", operation_id="get_session", responses=errors)
     async def get_session(sid: str):
-        return find(state, sid).describe()
+        session = await find(state, sid)
+        await catch_up(store, session)
+        return session.describe()
 
     @app.delete("/v1/sessions/{sid}", operation_id="delete_session", responses=errors)
     async def delete_session(sid: str):
-        session = find(state, sid)
+        session = await find(state, sid)
 
         async def remove() -> None:
-            async with locked(session, wait):
-                await asyncio.to_thread(store.delete, session)
+            async with locked(store, session, wait):
+                try:
+                    await asyncio.to_thread(store.delete, session)
+                except MirrorError as e:
+                    raise tier_error(e) from None
 
         await unstoppable(remove())
         return {"id": sid, "object": "session.deleted", "deleted": True}
@@ -359,7 +428,7 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
         "/v1/sessions/{sid}/compact", operation_id="compact_session", responses=session_errors
     )
     async def compact_session(sid: str, req: CompactRequest):
-        session = find(state, sid)
+        session = await find(state, sid)
         served = model_for(state, session)
         if (req.ratio is None) == (req.target_tokens is None):
             raise APIError(400, "give exactly one of ratio and target_tokens", param="ratio")
@@ -371,7 +440,7 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
 async def _compact(
     state: ServerState, served: ServedModel, session: Session, req: CompactRequest
 ) -> dict:
-    async with locked(session, state.settings.session_lock_wait):
+    async with locked(state.sessions, session, state.settings.session_lock_wait):
         await load_cache(state, served, session)
         cache = session.cache
         if cache is None or cache.lengths[0] == 0:

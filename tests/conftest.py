@@ -65,14 +65,16 @@ def running_server(
     with tempfile.TemporaryDirectory(prefix="cdlm-sessions-") as scratch:
         if "--sessions-dir" not in args:
             args = (*args, "--sessions-dir", scratch)
-        with _server_process(args, env, timeout) as base:
+        with server_process(args, env, timeout) as (base, _):
             yield base
 
 
 @contextmanager
-def _server_process(
-    args: tuple[str, ...], env: dict[str, str] | None, timeout: float
-) -> Iterator[str]:
+def server_process(
+    args: tuple[str, ...], env: dict[str, str] | None = None, timeout: float = 300
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `cdlm-serve serve ARGS` on a free port; yield (its base URL, its process) once
+    /health is 200 (for tests that kill it)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -105,7 +107,7 @@ def _server_process(
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not become healthy")
             time.sleep(0.2)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:

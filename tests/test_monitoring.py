@@ -135,3 +135,26 @@ def test_prometheus_answers_every_dashboard_and_alert_query(busy_server, tmp_pat
             time.sleep(1)
     assert not errors, errors
     assert not pending, f"no data for: {pending}"
+
+
+def test_compose_mounts_files_that_exist_and_wires_the_stack():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"cdlm-serve", "redis", "prometheus", "grafana"} <= set(services)
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), volume
+    gpu = services["cdlm-serve"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert "gpu" in gpu["capabilities"]
+    env = services["cdlm-serve"]["environment"]
+    assert env["CDLM_SERVE_SESSIONS_REDIS"].startswith("redis://redis:")
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["cdlm-serve:8000"]
+    # The dashboard's datasource is the provisioned one.
+    source = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"][0]
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {source["uid"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, _server_process, running_server
+from conftest import REPO, running_server, server_process
 
 TINY = ("--device", "cpu", "--dtype", "float32")
 CONTEXT = "The code name of the blue box is Orchid-417. " * 3
@@ -43,7 +43,7 @@ def home(tmp_path_factory) -> Path:
 def base(tiny_llama_dir, home):
     # No --sessions-dir: the default, $CDLM_SERVE_HOME/sessions, as a user would run it.
     args = ("--model", f"tiny={tiny_llama_dir}", *TINY, "--max-body-mb", "1")
-    with _server_process(args, {"CDLM_SERVE_HOME": str(home)}, 300) as url:
+    with server_process(args, {"CDLM_SERVE_HOME": str(home)}, 300) as (url, _):
         yield url
 
 

@@ -1,0 +1,216 @@
+"""Sessions across replicas, with the real parts: redis-server, two cdlm-serve replicas sharing
+it (--sessions-redis), and nginx in front with deploy/nginx's config (sessions hashed by
+X-Session-Id). A replica that dies takes nothing with it; two replicas never change one session
+at once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import free_port, server_process
+from test_ops import _tool
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+CONTEXT = " ".join(
+    f"Fact {i}: the {color} box holds {i * 7} marbles."
+    for i, color in enumerate(["red", "blue", "green", "amber", "violet", "white", "grey"])
+)  # ~320 byte tokens: the tiny model's context is 512
+
+
+def _wait_for(check, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("not ready")
+        time.sleep(0.1)
+
+
+@contextmanager
+def running_redis(folder: Path) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [_tool("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        _wait_for(up)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def running_nginx(folder: Path, replicas: list[str]) -> Iterator[str]:
+    """deploy/nginx/nginx.conf in front of `replicas` (host:port), on a free port."""
+    port = free_port()
+    servers = "".join(f"    server {r} max_fails=1 fail_timeout=10s;\n" for r in replicas)
+    upstreams = (DEPLOY / "nginx" / "cdlm-upstreams.conf").read_text()
+    # The replicas of this test instead of the compose service names.
+    kept = [line for line in upstreams.splitlines() if "cdlm-serve-" not in line]
+    text = "\n".join(kept).replace("{\n", "{\n" + servers)
+    (folder / "cdlm-upstreams.conf").write_text(text)
+    conf = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    assert "listen 8080;" in conf
+    (folder / "nginx.conf").write_text(conf.replace("listen 8080;", f"listen 127.0.0.1:{port};"))
+    (folder / "tmp").mkdir()
+    proc = subprocess.Popen(
+        [
+            _tool("nginx"),
+            "-p",
+            str(folder),
+            "-c",
+            str(folder / "nginx.conf"),
+            "-g",
+            f"daemon off; pid {folder / 'nginx.pid'}; error_log {folder / 'error.log'};",
+        ]
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        _wait_for(up)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_llama_dir):
+    """redis, two replicas sharing it (each its own session folder), nginx in front."""
+    with running_redis(tmp_path) as redis_url:
+        args = ("--model", f"tiny={tiny_llama_dir}", "--device", "cpu", "--dtype", "float32")
+        shared = ("--sessions-redis", redis_url)
+        with (
+            server_process((*args, *shared, "--sessions-dir", str(tmp_path / "a"))) as a,
+            server_process((*args, *shared, "--sessions-dir", str(tmp_path / "b"))) as b,
+        ):
+            replicas = [a[0].removeprefix("http://"), b[0].removeprefix("http://")]
+            nginx_dir = tmp_path / "nginx"
+            nginx_dir.mkdir()
+            with running_nginx(nginx_dir, replicas) as front:
+                yield front, {a[0]: (a[1], tmp_path / "a"), b[0]: (b[1], tmp_path / "b")}
+
+
+def _peek(url: str, sid: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": " Which box", "max_tokens": 12, "temperature": 0}
+    body["append"] = False
+    return httpx.post(
+        f"{url}/v1/completions", json=body, headers={"X-Session-Id": sid}, timeout=120
+    )
+
+
+def test_a_session_outlives_the_replica_that_held_it(cluster):
+    front, replicas = cluster
+    sid = "doc-1"
+    created = httpx.post(
+        f"{front}/v1/sessions",
+        json={"model": "tiny", "id": sid, "prompt": CONTEXT},
+        headers={"X-Session-Id": sid},
+        timeout=120,
+    )
+    assert created.status_code == 201, created.text
+    before = created.json()["tokens"]
+    compacted = httpx.post(
+        f"{front}/v1/sessions/{sid}/compact",
+        json={"ratio": 10, "method": "am-highest"},
+        headers={"X-Session-Id": sid},
+        timeout=300,
+    )
+    assert compacted.status_code == 200, compacted.text
+    first = _peek(front, sid)
+    assert first.status_code == 200, first.text
+    # The replica that holds it (nginx hashed the id to it) has its files; kill it outright.
+    holders = [url for url, (_, folder) in replicas.items() if (folder / sid).is_dir()]
+    assert len(holders) == 1, holders
+    proc, _ = replicas[holders[0]]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    again = _peek(front, sid)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    survivor = next(url for url in replicas if url != holders[0])
+    info = httpx.get(f"{survivor}/v1/sessions/{sid}").json()
+    assert info["tokens"] == before and info["compactions"]  # the compacted version
+    assert (replicas[survivor][1] / sid).is_dir()  # fetched from Redis into its own store
+
+
+def test_two_replicas_never_change_one_session_at_once(cluster):
+    _, replicas = cluster
+    sid = "shared-1"
+    a, b = list(replicas)
+    body = {"model": "tiny", "prompt": " More:", "max_tokens": 40, "temperature": 0}
+    body["ignore_eos"] = True
+
+    def create(url: str, name: str) -> int:
+        r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": name, "prompt": CONTEXT})
+        assert r.status_code == 201, r.text
+        return r.json()["tokens"]
+
+    def compact(url: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/sessions/{sid}/compact", json={"ratio": 4}, timeout=300)
+
+    def extend(url: str, name: str = sid) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json={**body, "session_id": name}, timeout=300)
+
+    # How much one extension grows a session, measured alone on another session.
+    alone = create(a, "probe")
+    assert extend(b, "probe").status_code == 200
+    growth = httpx.get(f"{a}/v1/sessions/probe").json()["tokens"] - alone
+    assert growth > 40
+    tokens = create(a, sid)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(compact, a), pool.submit(extend, b), pool.submit(extend, a)]
+        codes = [job.result().status_code for job in jobs]
+    assert set(codes) <= {200, 409}, codes
+    assert 200 in codes
+    grown = growth * sum(
+        1 for code, kind in zip(codes, "cee", strict=True) if kind == "e" and code == 200
+    )
+    # Both replicas see the same, whole session: every change that was acknowledged, once.
+    views = [httpx.get(f"{url}/v1/sessions/{sid}").json() for url in (a, b)]
+    assert views[0]["tokens"] == views[1]["tokens"] == tokens + grown
+    assert views[0]["compactions"] == views[1]["compactions"]
+    for url in (a, b):  # and either can go on with it
+        assert _peek(url, sid).status_code == 200
+
+
+def test_a_session_tier_that_is_down_answers_503_and_loses_nothing(tmp_path, tiny_llama_dir):
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    args = ("--model", f"tiny={tiny_llama_dir}", "--device", "cpu", "--sessions-redis", dead)
+    with server_process((*args, "--sessions-dir", str(tmp_path))) as (url, _):
+        r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "x", "prompt": "hi"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "session_tier_unavailable"
+        assert httpx.get(f"{url}/v1/sessions/x").status_code == 503
+        assert httpx.get(f"{url}/health").status_code == 200  # the rest of the server works
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+    assert not any(p for p in tmp_path.iterdir() if not p.name.startswith("."))
