@@ -5,7 +5,7 @@ every path is checked to lie inside the store's root before it is touched):
 
     <root>/<id>/meta.json               the committed version: token history, next input token,
                                         compactions, and the KV segments that hold its cache
-    <root>/<id>/kv-<generation>.safetensors
+    <root>/<id>/kv-<generation>-<random>.safetensors
                                         immutable segments: slots [start, end) of every layer's
                                         keys and values (and biases, once compacted)
 
@@ -76,6 +76,9 @@ class Version:
     logical: int  # logical length of the cache (RoPE position of the next token)
     generation: int
     segments: list[Segment]
+    # A random id of this commit: two replicas that each committed generation N of one session
+    # (one of them never got it into the shared tier) are told apart by it.
+    commit: str = ""
 
     @property
     def disk_bytes(self) -> int:
@@ -98,6 +101,7 @@ class Version:
             logical=int(obj["logical"]),
             generation=int(obj["generation"]),
             segments=segments,
+            commit=str(obj.get("commit", "")),
         )
 
 
@@ -165,7 +169,8 @@ def write_version(
         if keep_slots == 0 or len(segments) >= MAX_SEGMENTS:
             segments, keep_slots = [], 0
         if length > keep_slots:
-            path = folder / f"kv-{generation}.safetensors"
+            # Unique names: a segment is never replaced by different bytes under its name.
+            path = folder / f"kv-{generation}-{uuid.uuid4().hex[:12]}.safetensors"
             segments.append(_write_segment(cache, keep_slots, length, path))
     else:
         segments = []
@@ -180,6 +185,7 @@ def write_version(
         logical=0 if cache is None else cache.logical[0],
         generation=generation,
         segments=segments,
+        commit=uuid.uuid4().hex,
     )
     _write_json(committed.to_json(), folder / META)
     fsync_dir(folder)
@@ -187,8 +193,9 @@ def write_version(
     return committed
 
 
-def read_version(folder: Path) -> Version:
-    """The committed version of a session folder; CorruptSession if its files disagree."""
+def read_version(folder: Path, expect_id: str | None = None) -> Version:
+    """The committed version of a session folder (of session `expect_id`: by default the
+    folder's name); CorruptSession if its files disagree."""
     try:
         obj = json.loads((folder / META).read_text())
         if obj.get("format") != FORMAT:
@@ -196,7 +203,7 @@ def read_version(folder: Path) -> Version:
         version = Version.from_json(obj)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptSession(f"{folder / META}: {e}") from None
-    if version.id != folder.name:
+    if version.id != (expect_id or folder.name):
         raise CorruptSession(f"{folder} holds session {version.id!r}")
     covered = 0
     for seg in version.segments:
@@ -273,33 +280,39 @@ def recover(folder: Path) -> Version | None:
     return version
 
 
-SEGMENT_NAME = re.compile(r"kv-[0-9]{1,18}\.safetensors")
+SEGMENT_NAME = re.compile(r"kv-[0-9]{1,18}(-[0-9a-f]{12})?\.safetensors")
 
 
 def install(folder: Path, meta: bytes, files: dict[str, bytes]) -> Version:
     """Put a version that was committed elsewhere (the shared tier) in `folder`, replacing
-    what is there: its files go to a new folder under a trash name (removed at start-up if a
-    crash stops us), which then takes the old one's place. A crash between the two renames
-    leaves no local copy, and the shared one is still there to fetch again."""
-    names = [s.file for s in Version.from_json(json.loads(meta)).segments]
-    if sorted(names) != sorted(files) or not all(SEGMENT_NAME.fullmatch(n) for n in names):
-        raise CorruptSession(f"{folder.name}: the fetched files do not match their meta.json")
+    what is there. Its files go to a staging folder under a trash name (removed at start-up if
+    a crash stops us) and are checked whole there; then the old folder moves aside (a trash
+    name too), the staging folder takes its place, and the old one is removed. A crash between
+    the renames leaves no local copy, and the shared one is still there to fetch again.
+    CorruptSession, with the local copy untouched, if the files do not make a whole version of
+    this session."""
     staging = folder.with_name(f"{TRASH_PREFIX}fetch-{folder.name}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
+        if not all(SEGMENT_NAME.fullmatch(name) for name in files):
+            raise CorruptSession(f"{folder.name}: unexpected file names {sorted(files)[:3]}")
         for name, blob in files.items():
             (staging / name).write_bytes(blob)
             _fsync_file(staging / name)
         (staging / META).write_bytes(meta)
         _fsync_file(staging / META)
         fsync_dir(staging)
-        trash(folder)
+        version = read_version(staging, expect_id=folder.name)
+        old = folder.with_name(f"{TRASH_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}")
+        if folder.exists():
+            os.replace(folder, old)
         os.replace(staging, folder)
         fsync_dir(folder.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return read_version(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return version
 
 
 def trash(folder: Path) -> None:

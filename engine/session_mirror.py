@@ -5,16 +5,21 @@ never change one session at once.
 Keys (all under `prefix`, default "cdlm:session:"):
 
     <id>:meta            the committed version's meta.json (`engine.session_files` format)
-    <id>:gen             its generation (a replica whose copy is older fetches the new one)
-    <id>:seg:<file>      the version's segment files, immutable once written
+    <id>:gen             its "<generation>:<commit>" (a replica whose copy differs fetches it)
+    <id>:seg:<file>      the version's segment files (unique names: immutable once written)
     <id>:lease           the owner token of the replica changing the session (with an expiry)
     <id>:gone            a tombstone left by a delete (a replica's stale copy is not revived)
 
-Publishing writes the new segment files first, then meta and gen together (MULTI: the commit
-point), then drops the segments no version names any more. A fetch reads meta, then the segments
-it names (re-reading meta if a newer version dropped one meanwhile), and installs them in the
-local folder with the same atomic protocol as a local write: a crash leaves the old copy or the
-new one. Deleting drops meta and gen first (the commit point), then the segments.
+Publishing writes the new segment files first, then meta and gen together in one Lua script (the
+commit point), which refuses unless this replica still holds the lease and the shared copy is
+still the version the new one was made from; then it drops the segments only the old one named.
+A fetch reads meta, then the segments it names (re-reading meta if a newer version dropped one
+meanwhile), checks them whole and installs them in the local folder (`session_files.install`): a
+crash leaves the old copy or none, never a mix. Deleting drops meta and gen and leaves a tombstone
+(the commit point), then drops the segments.
+
+The shared copy is the truth: a replica whose copy differs from it (another replica changed the
+session, or this replica's own last change was refused) fetches it before using the session.
 
 A lease is a SET NX with an expiry and a random owner token, renewed by a background thread
 while held and released (only by its owner: a Lua check-and-delete) when the request ends; a
@@ -33,7 +38,7 @@ from pathlib import Path
 import redis
 
 from engine import session_files
-from engine.session_files import Version
+from engine.session_files import CorruptSession, Version
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +53,33 @@ _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
+# The commit point of a publish, all or nothing: only the lease's owner, and only over the
+# version its own was made from (ARGV[2]: that version's "<generation>:<commit>", "" for a new
+# session). Returns {status, the replaced meta or the current version}.
+_COMMIT = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return {'lease', ''} end
+local current = redis.call('get', KEYS[2]) or ''
+if current ~= ARGV[2] then return {'conflict', current} end
+local old = redis.call('get', KEYS[3]) or ''
+redis.call('set', KEYS[3], ARGV[4])
+redis.call('set', KEYS[2], ARGV[3])
+redis.call('del', KEYS[4])
+return {'ok', old}
+"""
 
 
 class MirrorError(OSError):
-    """The shared tier could not be read or written (Redis down, a version lost)."""
+    """The shared tier could not be read or written (Redis down, a lease lost)."""
+
+
+class SessionConflict(MirrorError):
+    """The shared copy is not the version a change was made from (another replica changed or
+    created the session meanwhile): the change is not stored."""
+
+
+def stamp(version: Version) -> str:
+    """What identifies a committed version among replicas."""
+    return f"{version.generation}:{version.commit}"
 
 
 class SessionMirror:
@@ -61,6 +89,7 @@ class SessionMirror:
         self.lease_ms = int(lease_seconds * 1000)
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
+        self._commit = self.client.register_script(_COMMIT)
         self._held: dict[str, str] = {}  # session id -> our lease token
         self._held_lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,27 +100,42 @@ class SessionMirror:
         return f"{self.prefix}{sid}:{part}"
 
     # ---- versions --------------------------------------------------------------------------
-    def generation(self, sid: str) -> int | None:
-        """The generation of the shared copy (None: there is none)."""
+    def current(self, sid: str) -> str | None:
+        """The shared copy's "<generation>:<commit>" (None: there is none)."""
         value = self._call(self.client.get, self._key(sid, "gen"))
-        return None if value is None else int(value)
+        return None if value is None else value.decode()
 
-    def publish(self, sid: str, folder: Path, version: Version) -> None:
-        """Write a committed local version through (the caller holds the session's lease)."""
+    def deleted(self, sid: str) -> bool:
+        """Whether the session was deleted (recently) through the shared tier."""
+        return bool(self._call(self.client.exists, self._key(sid, "gone")))
+
+    def publish(self, sid: str, folder: Path, version: Version, parent: Version | None) -> None:
+        """Write a committed local version through. It replaces the shared copy only if that
+        is still `parent` (the version it was made from; None for a new session) and this
+        replica still holds the session's lease: SessionConflict, or MirrorError, otherwise."""
+        token = self._token(sid)
         names = [s.file for s in version.segments]
-        seg_keys = [self._key(sid, f"seg:{name}") for name in names]
-        present = self._call(self.client.exists, *seg_keys) if seg_keys else 0
-        if present != len(seg_keys):  # segments are immutable: only new ones are sent
-            pipe = self.client.pipeline(transaction=False)
-            for name, key in zip(names, seg_keys, strict=True):
-                pipe.set(key, (folder / name).read_bytes(), nx=True)
-            self._call(pipe.execute)
-        commit = self.client.pipeline(transaction=True)  # meta and gen together: the commit
-        commit.set(self._key(sid, "meta"), json.dumps(version.to_json()).encode())
-        commit.set(self._key(sid, "gen"), version.generation)
-        commit.delete(self._key(sid, "gone"))  # an id may be used again after a delete
-        self._call(commit.execute)
-        self._drop_segments(sid, keep=set(names))
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:  # unique names: a segment already there holds these very bytes
+            pipe.set(self._key(sid, f"seg:{name}"), (folder / name).read_bytes(), nx=True)
+        self._call(pipe.execute)
+        status, other = self._call(
+            self._commit,
+            keys=[self._key(sid, p) for p in ("lease", "gen", "meta", "gone")],
+            args=[
+                token or "",
+                "" if parent is None else stamp(parent),
+                stamp(version),
+                json.dumps(version.to_json()),
+            ],
+        )
+        if status == b"lease":
+            raise MirrorError(f"lost the lease of session {sid!r}; not stored")
+        if status == b"conflict":
+            raise SessionConflict(f"session {sid!r} was changed elsewhere ({other.decode()})")
+        if other:  # best effort: segments only the replaced version named
+            old = {s["file"] for s in json.loads(other)["segments"]}
+            self._forget_segments(sid, old - set(names))
 
     def fetch(self, sid: str, folder: Path) -> Version | None:
         """Install the shared copy in `folder` (replacing what is there); None if there is
@@ -100,38 +144,42 @@ class SessionMirror:
             meta = self._call(self.client.get, self._key(sid, "meta"))
             if meta is None:
                 return None
-            version = Version.from_json(json.loads(meta))
-            keys = [self._key(sid, f"seg:{s.file}") for s in version.segments]
+            try:
+                names = [s["file"] for s in json.loads(meta)["segments"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise MirrorError(
+                    f"the shared copy of session {sid!r} is unreadable: {e}"
+                ) from None
+            keys = [self._key(sid, f"seg:{name}") for name in names]
             blobs = self._call(self.client.mget, keys) if keys else []
             if all(b is not None for b in blobs):
-                files = {s.file: b for s, b in zip(version.segments, blobs, strict=True)}
-                return session_files.install(folder, meta, files)
+                try:
+                    return session_files.install(folder, meta, dict(zip(names, blobs, strict=True)))
+                except CorruptSession as e:
+                    raise MirrorError(f"the shared copy of session {sid!r}: {e}") from None
             # A newer version was published between the two reads: read it again.
         raise MirrorError(f"session {sid!r} kept changing while it was fetched")
 
     def remove(self, sid: str) -> None:
         """Delete the shared copy, leaving a tombstone for a while: a replica that still has
         a copy then deletes its own instead of publishing it again."""
+        meta = self._call(self.client.get, self._key(sid, "meta"))
         commit = self.client.pipeline(transaction=True)
         commit.delete(self._key(sid, "meta"), self._key(sid, "gen"))
         commit.set(self._key(sid, "gone"), 1, ex=TOMBSTONE_SECONDS)
         self._call(commit.execute)
-        self._drop_segments(sid, keep=set())
+        if meta:
+            self._forget_segments(sid, {s["file"] for s in json.loads(meta)["segments"]})
 
-    def deleted(self, sid: str) -> bool:
-        """Whether the session was deleted (recently) through the shared tier."""
-        return bool(self._call(self.client.exists, self._key(sid, "gone")))
-
-    def _drop_segments(self, sid: str, keep: set[str]) -> None:
-        pattern = self._key(sid, "seg:*")
-        marker = len(self._key(sid, "seg:"))
-        stale = [
-            k
-            for k in self._call(lambda: list(self.client.scan_iter(match=pattern, count=100)))
-            if k.decode()[marker:] not in keep
-        ]
-        if stale:
-            self._call(self.client.delete, *stale)
+    def _forget_segments(self, sid: str, names: set[str]) -> None:
+        """Drop segment keys no version names any more (best effort: a leftover only costs
+        space, and a later delete of the session takes it)."""
+        if not names:
+            return
+        try:
+            self.client.delete(*(self._key(sid, f"seg:{name}") for name in names))
+        except redis.RedisError as e:
+            log.warning("could not drop old segments of session %s: %s", sid, e)
 
     # ---- leases ----------------------------------------------------------------------------
     def acquire(self, sid: str, wait: float) -> bool:
@@ -164,9 +212,19 @@ class SessionMirror:
                 held = dict(self._held)
             for sid, token in held.items():
                 try:
-                    self._renew(keys=[self._key(sid, "lease")], args=[token, self.lease_ms])
+                    kept = self._renew(keys=[self._key(sid, "lease")], args=[token, self.lease_ms])
                 except redis.RedisError as e:
                     log.warning("could not renew the lease of session %s: %s", sid, e)
+                    continue
+                if not kept:  # expired and maybe taken: our publish will be refused
+                    log.warning("lost the lease of session %s", sid)
+                    with self._held_lock:
+                        if self._held.get(sid) == token:
+                            del self._held[sid]
+
+    def _token(self, sid: str) -> str | None:
+        with self._held_lock:
+            return self._held.get(sid)
 
     def close(self) -> None:
         self._stop.set()

@@ -34,7 +34,7 @@ import torch
 
 from engine import session_files
 from engine.session_files import CorruptSession, Version
-from engine.session_mirror import SessionMirror
+from engine.session_mirror import SessionMirror, stamp
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class SessionStore:
     ):
         root.mkdir(parents=True, exist_ok=True)
         self.mirror = mirror  # the shared tier (engine.session_mirror), if any
-        self._adopting = threading.Lock()  # one fetch of a session from the tier at a time
+        self._fetching: dict[str, threading.Lock] = {}  # per session: one fetch at a time
         self.root = root.resolve()
         self.max_bytes = max_bytes  # caches kept in memory
         self.max_sessions = max_sessions
@@ -196,7 +196,7 @@ class SessionStore:
         """A new session in the table (not yet on disk: `persist` it before answering)."""
         sid = check_id(session_id) if session_id is not None else f"sess-{uuid.uuid4().hex}"
         self.folder(sid)
-        shared = self.mirror is not None and self.mirror.generation(sid) is not None
+        shared = self.mirror is not None and self.mirror.current(sid) is not None
         with self._lock:
             if sid in self._sessions or shared:
                 raise SessionExists(f"session {sid!r} already exists")
@@ -223,7 +223,7 @@ class SessionStore:
         """A session another replica created or changed last: its shared copy, fetched into
         our folder and our table."""
         assert self.mirror is not None
-        with self._adopting:
+        with self._fetch_lock(sid):
             with self._lock:
                 if sid in self._sessions:  # fetched meanwhile
                     return self._sessions[sid]
@@ -235,6 +235,10 @@ class SessionStore:
                 self._disk_bytes += version.disk_bytes
                 return self._sessions[sid]
 
+    def _fetch_lock(self, sid: str) -> threading.Lock:
+        with self._lock:
+            return self._fetching.setdefault(sid, threading.Lock())
+
     # ---- the shared tier ---------------------------------------------------------------------
     def take_lease(self, sid: str, wait: float) -> bool:
         """The right to change the session among all replicas (always, without a tier)."""
@@ -245,30 +249,35 @@ class SessionStore:
             self.mirror.release(sid)
 
     def refresh(self, session: Session, publish: bool = True) -> bool:
-        """Bring the session up to its shared copy, which another replica may have changed
-        since (hold its lock, and its lease to `publish` a local copy the tier lacks; blocking
-        I/O). False if another replica deleted it (it is then gone here too)."""
+        """Make the session the shared copy, which is the truth: another replica may have
+        changed it, or this replica's last change may have been refused by the tier (hold its
+        lock, and its lease to `publish`; blocking I/O). False if it was deleted (here or
+        through another replica: it is then gone here too)."""
+        if session.deleted:
+            return False
         if self.mirror is None or session.version is None:
             return True
-        shared = self.mirror.generation(session.id)
-        local = session.version.generation
+        shared = self.mirror.current(session.id)
+        if shared == stamp(session.version):
+            return True
         if shared is None:
             if self.mirror.deleted(session.id):
                 self._delete_local(session)
                 return False
-            shared = -1  # never shared (the tier was empty or added later): publish ours
-        if shared < local or shared == -1:
+            # The tier never had it (it was added later, or lost its data): ours is the copy.
             if publish:
-                self.mirror.publish(session.id, self.folder(session.id), session.version)
-        elif shared > local:
-            with self._adopting:
-                version = self.mirror.fetch(session.id, self.folder(session.id))
-            if version is None:  # deleted between the two reads
-                self._delete_local(session)
-                return False
-            with self._lock:
-                self._disk_bytes += version.disk_bytes - session.version.disk_bytes
-            _take_version(session, version)
+                self.mirror.publish(
+                    session.id, self.folder(session.id), session.version, parent=None
+                )
+            return True
+        with self._fetch_lock(session.id):
+            version = self.mirror.fetch(session.id, self.folder(session.id))
+        if version is None:  # deleted between the two reads
+            self._delete_local(session)
+            return False
+        with self._lock:
+            self._disk_bytes += version.disk_bytes - session.version.disk_bytes
+        _take_version(session, version)
         return True
 
     def delete(self, session: Session) -> None:
@@ -326,7 +335,7 @@ class SessionStore:
             if not victim.lock.acquire(blocking=False):
                 continue  # in use
             try:
-                self.persist(victim)
+                self.persist(victim, publish=False)  # no lease here: never written through
                 victim.cache = None
                 log.info("spilled session %s to disk", victim.id)
             except OSError as e:
@@ -344,12 +353,14 @@ class SessionStore:
             session.disk_slots = session.version.length
         return session.cache
 
-    def persist(self, session: Session) -> None:
-        """Commit the session's current state to disk, if it changed (hold its lock)."""
+    def persist(self, session: Session, publish: bool = True) -> None:
+        """Commit the session's current state to disk, if it changed (hold its lock), and with
+        a shared tier write it through (`publish`; hold the lease too). A change that the tier
+        refuses stays on this disk only, and the shared copy replaces it at the next use."""
         with session.io_lock:
-            self._persist(session)
+            self._persist(session, publish)
 
-    def _persist(self, session: Session) -> None:
+    def _persist(self, session: Session, publish: bool) -> None:
         if not session.dirty or session.deleted:
             return
         if session.cache is None and session.tokens and session.version is not None:
@@ -375,15 +386,15 @@ class SessionStore:
         session.version = committed
         session.disk_slots = committed.length
         session.dirty = False
-        if self.mirror is not None:  # written through before anyone is told
-            self.mirror.publish(session.id, self.folder(session.id), committed)
+        if self.mirror is not None and publish:  # written through before anyone is told
+            self.mirror.publish(session.id, self.folder(session.id), committed, parent=old)
 
     def persist_all(self) -> None:
         for sid in self.ids():
             session = self.get(sid)
             if session is not None and session.dirty:
                 with session.lock:
-                    self.persist(session)
+                    self.persist(session, publish=False)
 
 
 def _from_version(version: Version) -> Session:

@@ -26,7 +26,7 @@ from engine import model_work
 from engine.core_share import CoreShare
 from engine.kv_compaction import OnEngine, compact_row
 from engine.served_model import ServedModel
-from engine.session_mirror import MirrorError
+from engine.session_mirror import MirrorError, SessionConflict
 from engine.session_store import Session, SessionError, SessionStore, check_id
 from models.kv_cache import KVCache
 from server import completions, planning, streaming
@@ -94,30 +94,49 @@ def _busy(session: Session, where: str) -> APIError:
     )
 
 
+def _gone(session: Session) -> APIError:
+    return APIError(
+        404, f"session {session.id!r} was deleted", param="session_id", code="session_not_found"
+    )
+
+
 async def acquire(store: SessionStore, session: Session, wait: float) -> None:
     """Take the session's lock, then its lease among replicas (409 if either stays busy for
-    `wait` seconds), and bring it up to the shared copy (404 if another replica deleted it)."""
+    `wait` seconds), and make it the shared copy (404 if it was deleted meanwhile)."""
     if not await asyncio.to_thread(session.lock.acquire, True, wait):
         raise _busy(session, "here")
+    leased = False
     try:
-        if not await asyncio.to_thread(store.take_lease, session.id, wait):
+        if session.deleted:  # by the request this one waited for
+            raise _gone(session)
+        leased = await _take_lease(store, session.id, wait)
+        if not leased:
             raise _busy(session, "on another replica")
-        try:
-            if not await asyncio.to_thread(store.refresh, session):
-                raise APIError(
-                    404,
-                    f"session {session.id!r} was deleted",
-                    param="session_id",
-                    code="session_not_found",
-                )
-        except BaseException:
-            store.drop_lease(session.id)
-            raise
-    except MirrorError as e:
+        if not await asyncio.to_thread(store.refresh, session):
+            raise _gone(session)
+    except BaseException as e:
+        if leased:
+            await asyncio.to_thread(store.drop_lease, session.id)
         session.lock.release()
-        raise tier_error(e) from None
-    except BaseException:
-        session.lock.release()
+        if isinstance(e, MirrorError):
+            raise tier_error(e) from None
+        raise
+
+
+async def _take_lease(store: SessionStore, sid: str, wait: float) -> bool:
+    """The session's lease (on a thread: Redis may be slow). A request cancelled while it
+    waits gives the lease back as soon as it arrives, instead of leaving it held (and renewed)
+    with nobody to release it."""
+    taking = asyncio.ensure_future(asyncio.to_thread(store.take_lease, sid, wait))
+    try:
+        return await asyncio.shield(taking)
+    except asyncio.CancelledError:
+
+        def give_back(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None and done.result():
+                threading.Thread(target=store.drop_lease, args=(sid,), daemon=True).start()
+
+        taking.add_done_callback(give_back)
         raise
 
 
@@ -133,17 +152,15 @@ async def catch_up(store: SessionStore, session: Session) -> None:
     finally:
         session.lock.release()
     if not current:
-        raise APIError(
-            404,
-            f"session {session.id!r} was deleted",
-            param="session_id",
-            code="session_not_found",
-        )
+        raise _gone(session)
 
 
-def release(store: SessionStore, session: Session) -> None:
-    store.drop_lease(session.id)
-    session.lock.release()
+async def release(store: SessionStore, session: Session) -> None:
+    """Give back the lease (on a thread: Redis may be slow), then the lock."""
+    try:
+        await asyncio.to_thread(store.drop_lease, session.id)
+    finally:
+        session.lock.release()
 
 
 @asynccontextmanager
@@ -153,7 +170,7 @@ async def locked(store: SessionStore, session: Session, wait: float = 10.0) -> A
     try:
         yield
     finally:
-        release(store, session)
+        await release(store, session)
 
 
 async def unstoppable(work: Awaitable[T]) -> T:
@@ -166,7 +183,9 @@ async def persist(store: SessionStore, session: Session) -> None:
     """Commit the session to disk (hold its lock); 507 if the disk refuses."""
     try:
         await asyncio.to_thread(store.persist, session)
-    except MirrorError as e:  # stored here, not shared: published again at its next use
+    except SessionConflict as e:
+        raise APIError(409, str(e), param="session_id", code="session_conflict") from None
+    except MirrorError as e:  # not stored: the shared copy replaces ours at the next use
         raise tier_error(e) from None
     except OSError as e:
         raise APIError(
@@ -201,7 +220,7 @@ async def using(state: ServerState, session: Session) -> AsyncIterator[None]:
         except APIError as e:  # the answer already said so, or was never asked for
             log.warning("session %s not stored: %s", session.id, e.message)
         finally:
-            release(state.sessions, session)
+            await release(state.sessions, session)
         await spill(state.sessions)
 
     try:

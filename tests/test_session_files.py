@@ -82,7 +82,8 @@ def test_appends_write_only_new_slots_and_read_back_exactly(tmp_path):
     compacted = _cache(12, 2, biases=True)
     v3 = session_files.write_version(folder, _draft(v2, list(range(45))), compacted, 0)
     assert [(s.start, s.end) for s in v3.segments] == [(0, 12)]
-    assert sorted(p.name for p in folder.iterdir()) == ["kv-3.safetensors", "meta.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [v3.segments[0].file, "meta.json"]
+    assert v3.segments[0].file.startswith("kv-3-")  # generation 3, a unique name
     _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32), compacted)
 
 
@@ -170,7 +171,7 @@ def test_recovery_removes_debris_and_keeps_damage_for_a_person(tmp_path):
     (root / ".trash-old-1234").mkdir()
     store = SessionStore(root, 1 << 20)
     assert store.ids() == ["good"]
-    assert sorted(p.name for p in good.iterdir()) == ["kv-1.safetensors", "meta.json"]
+    assert sorted(p.name for p in good.iterdir()) == [v.segments[0].file, "meta.json"]
     assert not never.exists() and not (root / ".trash-old-1234").exists()
     assert damaged.exists() and seg.exists()  # left alone, not loaded
     with pytest.raises(CorruptSession):
@@ -222,3 +223,35 @@ def test_delete_is_one_rename(tmp_path):
     assert len(renames) == 1 and renames[0][0] == "gone"
     assert renames[0][1].startswith(".trash-gone-")
     assert list(tmp_path.iterdir()) == [] and store.disk_bytes() == 0
+
+
+def test_install_checks_a_fetched_version_whole_before_it_replaces_the_local_copy(tmp_path):
+    """What the shared tier hands over replaces the local copy only if it is a whole version of
+    this session; otherwise the local copy stays exactly as it was."""
+    root = tmp_path / "store"
+    root.mkdir()
+    folder = root / "s"
+    local = session_files.write_version(folder, _draft(None, [5] * 10), _cache(10, 0), 0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = session_files.write_version(elsewhere / "s", _draft(None, [6] * 12), _cache(12, 1), 0)
+    meta = (elsewhere / "s" / "meta.json").read_bytes()
+    files = {seg.file: (elsewhere / "s" / seg.file).read_bytes() for seg in theirs.segments}
+    other = session_files.write_version(
+        elsewhere / "t", _draft(None, [7] * 12, "t"), _cache(12, 1), 0
+    )
+    bad = [
+        (meta, {name: blob[:-10] for name, blob in files.items()}),  # a truncated segment
+        (meta, {}),  # a segment missing
+        ((elsewhere / "t" / "meta.json").read_bytes(), {other.segments[0].file: b""}),
+        (meta, {"../escape.safetensors": b"x", **files}),  # not a segment name
+        (b"{not json", files),
+    ]
+    for fetched_meta, fetched_files in bad:
+        with pytest.raises(CorruptSession):
+            session_files.install(folder, fetched_meta, fetched_files)
+        assert session_files.read_version(folder) == local
+    assert not (root.parent / "escape.safetensors").exists()
+    installed = session_files.install(folder, meta, files)
+    assert installed == theirs and session_files.read_version(folder) == theirs
+    assert sorted(p.name for p in root.iterdir()) == ["s"]  # no staging or trash left
