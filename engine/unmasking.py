@@ -107,7 +107,13 @@ def pick(conf: Tensor, k: int, temperature: float, generator: torch.Generator | 
     if k <= 0:
         return chosen
     if temperature > 0:
-        weights = torch.softmax(conf / temperature, dim=-1)
+        candidates = conf > float("-inf")
+        # Shifted by the max first, in float64 (which holds any temperature a request can send,
+        # down to 5e-324): no temperature, however small, gives inf or 0/0 (NaN).
+        weights = torch.softmax((conf - conf.max()).double() / temperature, dim=-1)
+        # Every candidate keeps a chance: a small temperature underflows weights to 0, and k
+        # draws without replacement from fewer than k non-zero weights would fail the step.
+        weights = torch.where(candidates, weights.clamp_min(torch.finfo(weights.dtype).tiny), 0)
         index = torch.multinomial(weights, k, generator=generator)
     else:
         index = torch.topk(conf, k).indices

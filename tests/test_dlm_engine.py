@@ -312,3 +312,16 @@ def test_cdlm_prompts_joining_together_prefill_in_one_forward(engine):
         for out in engine.step():
             outs[out.request_id] += out.token_ids
     assert [outs[str(n)] for n in (3, 9, 6)] == alone
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 5e-324, 0.5])
+def test_drawn_positions_are_k_candidates_whatever_the_temperature(temperature):
+    """Dream's alg_temp draws the scheduled positions by confidence: any temperature a request
+    may send draws exactly k distinct candidates (never a finalized position), never fails."""
+    from engine.unmasking import pick
+
+    conf = torch.tensor([0.9, float("-inf"), 0.1, 0.5, float("-inf"), 0.0003, 0.2])
+    gen = torch.Generator().manual_seed(0)
+    for k in (1, 3, 5):
+        chosen = pick(conf, k, temperature, gen)
+        assert int(chosen.sum()) == k and not chosen[1] and not chosen[4]
