@@ -6,7 +6,8 @@ Keys (all under `prefix`, default "cdlm:session:"):
 
     <id>:meta            the committed version's meta.json (`engine.session_files` format)
     <id>:gen             its "<generation>:<commit>" (a replica whose copy differs fetches it)
-    <id>:seg:<file>      the version's segment files (unique names: immutable once written)
+    <id>:seg:<file>:<i>  the version's segment files in parts of `chunk_bytes` (Redis holds at
+                         most 512 MB in a value; unique names: immutable once written)
     <id>:lease           the owner token of the replica changing the session (with an expiry)
     <id>:gone            a tombstone left by a delete (a replica's stale copy is not revived)
 
@@ -42,6 +43,7 @@ from engine.session_files import CorruptSession, Version
 
 log = logging.getLogger(__name__)
 
+CHUNK_BYTES = 64 << 20  # segment bytes per Redis value (Redis refuses values over 512 MB)
 TOMBSTONE_SECONDS = 30 * 24 * 3600  # how long a delete is remembered for replicas' old copies
 
 # Only the owner (its token) may renew or drop a lease.
@@ -83,9 +85,16 @@ def stamp(version: Version) -> str:
 
 
 class SessionMirror:
-    def __init__(self, url: str, prefix: str = "cdlm:session:", lease_seconds: float = 30.0):
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "cdlm:session:",
+        lease_seconds: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
         self.client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         self.prefix = prefix
+        self.chunk_bytes = chunk_bytes  # every replica of one tier must use the same
         self.lease_ms = int(lease_seconds * 1000)
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
@@ -115,10 +124,12 @@ class SessionMirror:
         replica still holds the session's lease: SessionConflict, or MirrorError, otherwise."""
         token = self._token(sid)
         names = [s.file for s in version.segments]
-        pipe = self.client.pipeline(transaction=False)
         for name in names:  # unique names: a segment already there holds these very bytes
-            pipe.set(self._key(sid, f"seg:{name}"), (folder / name).read_bytes(), nx=True)
-        self._call(pipe.execute)
+            data = (folder / name).read_bytes()
+            pipe = self.client.pipeline(transaction=False)
+            for i, key in enumerate(self._part_keys(sid, name, len(data))):
+                pipe.set(key, data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], nx=True)
+            self._call(pipe.execute)
         status, other = self._call(
             self._commit,
             keys=[self._key(sid, p) for p in ("lease", "gen", "meta", "gone")],
@@ -134,8 +145,8 @@ class SessionMirror:
         if status == b"conflict":
             raise SessionConflict(f"session {sid!r} was changed elsewhere ({other.decode()})")
         if other:  # best effort: segments only the replaced version named
-            old = {s["file"] for s in json.loads(other)["segments"]}
-            self._forget_segments(sid, old - set(names))
+            old = json.loads(other)["segments"]
+            self._forget_segments(sid, [s for s in old if s["file"] not in names])
 
     def fetch(self, sid: str, folder: Path) -> Version | None:
         """Install the shared copy in `folder` (replacing what is there); None if there is
@@ -145,19 +156,22 @@ class SessionMirror:
             if meta is None:
                 return None
             try:
-                names = [s["file"] for s in json.loads(meta)["segments"]]
+                segments = [(s["file"], int(s["bytes"])) for s in json.loads(meta)["segments"]]
             except (ValueError, KeyError, TypeError) as e:
                 raise MirrorError(
                     f"the shared copy of session {sid!r} is unreadable: {e}"
                 ) from None
-            keys = [self._key(sid, f"seg:{name}") for name in names]
-            blobs = self._call(self.client.mget, keys) if keys else []
-            if all(b is not None for b in blobs):
+            files: dict[str, bytes] = {}
+            for name, size in segments:
+                parts = self._call(self.client.mget, self._part_keys(sid, name, size))
+                if any(p is None for p in parts):
+                    break  # a newer version was published meanwhile and dropped this one
+                files[name] = b"".join(parts)
+            else:
                 try:
-                    return session_files.install(folder, meta, dict(zip(names, blobs, strict=True)))
+                    return session_files.install(folder, meta, files)
                 except CorruptSession as e:
                     raise MirrorError(f"the shared copy of session {sid!r}: {e}") from None
-            # A newer version was published between the two reads: read it again.
         raise MirrorError(f"session {sid!r} kept changing while it was fetched")
 
     def remove(self, sid: str) -> None:
@@ -169,15 +183,20 @@ class SessionMirror:
         commit.set(self._key(sid, "gone"), 1, ex=TOMBSTONE_SECONDS)
         self._call(commit.execute)
         if meta:
-            self._forget_segments(sid, {s["file"] for s in json.loads(meta)["segments"]})
+            self._forget_segments(sid, json.loads(meta)["segments"])
 
-    def _forget_segments(self, sid: str, names: set[str]) -> None:
-        """Drop segment keys no version names any more (best effort: a leftover only costs
-        space, and a later delete of the session takes it)."""
-        if not names:
+    def _part_keys(self, sid: str, name: str, size: int) -> list[str]:
+        parts = max(1, -(-size // self.chunk_bytes))
+        return [self._key(sid, f"seg:{name}:{i}") for i in range(parts)]
+
+    def _forget_segments(self, sid: str, segments: list[dict]) -> None:
+        """Drop the keys of segments no version names any more (best effort: a leftover only
+        costs space)."""
+        keys = [k for s in segments for k in self._part_keys(sid, s["file"], int(s["bytes"]))]
+        if not keys:
             return
         try:
-            self.client.delete(*(self._key(sid, f"seg:{name}") for name in names))
+            self.client.delete(*keys)
         except redis.RedisError as e:
             log.warning("could not drop old segments of session %s: %s", sid, e)
 

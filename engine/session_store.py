@@ -227,9 +227,19 @@ class SessionStore:
             with self._lock:
                 if sid in self._sessions:  # fetched meanwhile
                     return self._sessions[sid]
+                if len(self._sessions) >= self.max_sessions:
+                    raise SessionLimit(
+                        f"this replica holds {self.max_sessions} sessions, its limit; "
+                        "delete sessions you no longer need"
+                    )
             version = self.mirror.fetch(sid, self.folder(sid))
             if version is None:
                 return None
+            try:
+                self.check_room(version.disk_bytes)
+            except SessionLimit:
+                session_files.trash(self.folder(sid))  # the shared copy stays
+                raise
             with self._lock:
                 self._sessions[sid] = _from_version(version)
                 self._disk_bytes += version.disk_bytes

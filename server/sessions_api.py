@@ -63,6 +63,8 @@ async def find(state: ServerState, sid: str, param: str = "session_id") -> Sessi
         session = await asyncio.to_thread(state.sessions.get, sid)
     except MirrorError as e:
         raise tier_error(e) from None
+    except SessionError as e:  # no room here for another replica's session
+        raise session_error(e, param) from None
     if session is None:
         raise APIError(
             404, f"session {sid!r} does not exist", param=param, code="session_not_found"

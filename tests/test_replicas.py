@@ -248,3 +248,44 @@ def test_redis_going_away_and_coming_back_empty_loses_no_session(tmp_path, tiny_
             view = httpx.get(f"{b}/v1/sessions/k").json()
             assert view["tokens"] == httpx.get(f"{a}/v1/sessions/k").json()["tokens"]
             assert view["tokens"] > stored
+
+
+def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
+    """Redis holds at most 512 MB in one value; a segment goes in parts of `chunk_bytes` and
+    comes back whole (here with parts of 1,000 bytes), and a delete drops every part."""
+    import redis
+    import torch
+
+    from engine import session_files
+    from engine.session_files import Version
+    from engine.session_mirror import SessionMirror
+    from models.kv_cache import KVCache
+
+    cache = KVCache.allocate(2, 1, 2, 8, 64, "cpu", torch.float32)
+    for layer in range(2):
+        cache.keys[layer][0, :, :50] = torch.randn(2, 50, 8)
+        cache.values[layer][0, :, :50] = torch.randn(2, 50, 8)
+    cache.lengths[0] = cache.logical[0] = 50
+    draft = Version("s", "m", list(range(50)), None, [], 0.0, 0, 0, 0, [])
+    (tmp_path / "a").mkdir()
+    version = session_files.write_version(tmp_path / "a" / "s", draft, cache, 0)
+    assert version.segments[0].bytes > 5_000
+    with running_redis(tmp_path) as url:
+        mirror = SessionMirror(url, chunk_bytes=1000)
+        assert mirror.acquire("s", 1)
+        mirror.publish("s", tmp_path / "a" / "s", version, parent=None)
+        client = redis.Redis.from_url(url)
+        parts = client.keys("cdlm:session:s:seg:*")
+        assert len(parts) == -(-version.segments[0].bytes // 1000)
+        assert max(len(client.get(k)) for k in parts) == 1000
+        (tmp_path / "b").mkdir()
+        fetched = SessionMirror(url, chunk_bytes=1000).fetch("s", tmp_path / "b" / "s")
+        assert fetched == version
+        seg = version.segments[0].file
+        assert (tmp_path / "b" / "s" / seg).read_bytes() == (
+            tmp_path / "a" / "s" / seg
+        ).read_bytes()
+        mirror.remove("s")
+        assert client.keys("cdlm:session:s:seg:*") == []
+        mirror.release("s")
+        mirror.close()
