@@ -39,6 +39,7 @@ class QueueFull(RuntimeError):
 
 
 _DONE = object()
+JOB_FOLLOW_SECONDS = 0.002  # how long a turn with job time left waits for the next job
 
 
 @dataclass(slots=True)
@@ -76,6 +77,11 @@ class EngineThread:
         self._live: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._stop = False
+        # Jobs share this thread's time with the steps: between two steps they may run for as
+        # long as the last step took (then at most one more job), so a long piece of work cut
+        # into small jobs gets about half the thread, not one small job per step.
+        self._last_step = 0.0
+        self._turn_jobs = 0.0  # seconds of jobs since the last step
         self._thread = threading.Thread(target=self._run, name=f"batch-{name}", daemon=True)
         self._thread.start()
 
@@ -179,6 +185,7 @@ class EngineThread:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
+            self._last_step, self._turn_jobs = elapsed, 0.0
             if self.on_step is not None:
                 self.on_step(elapsed)
             for out in outputs:
@@ -197,7 +204,13 @@ class EngineThread:
             if block:
                 self.cores.leave()  # idle: the other busy threads get this one's cores
             try:
-                req = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if block:
+                    req = self._inbox.get(timeout=0.5)
+                elif 0 < self._turn_jobs < self._last_step:
+                    # The job's owner submits its next piece as soon as it has the result.
+                    req = self._inbox.get(timeout=JOB_FOLLOW_SECONDS)
+                else:
+                    req = self._inbox.get_nowait()
             except queue.Empty:
                 return not (self._stop and not self.engine.has_work())
             if req is None:
@@ -206,9 +219,12 @@ class EngineThread:
                 continue
             if isinstance(req, _Job):
                 self.cores.enter()
+                started = time.perf_counter()
                 self._run_job(req)
-                if self.engine.has_work():
-                    return True  # one job between two steps: decoding never waits for a queue
+                self._turn_jobs += time.perf_counter() - started
+                if self.engine.has_work() and self._turn_jobs >= self._last_step:
+                    return True  # the jobs had their time: decoding never waits for a queue
+                block = block and not self.engine.has_work()
                 continue
             try:
                 seq = req.build(req.id, req.aborted.is_set)

@@ -58,10 +58,15 @@ class CountingEngine:
 
 
 def test_jobs_take_turns_with_decode_steps():
-    engine = CountingEngine()
+    engine = TimedEngine(0.002)
     thread = EngineThread("w", engine)
     thread.run(lambda: engine.add(["long", 10**12]))  # something is decoding, for good
-    futures = [thread.submit(lambda: engine.steps) for _ in range(20)]  # all queued at once
+
+    def job() -> int:
+        time.sleep(0.01)  # longer than a step: its turn is used up by one job
+        return engine.steps
+
+    futures = [thread.submit(job) for _ in range(20)]  # all queued at once
     seen = [f.result(timeout=30) for f in futures]
     # A step ran between every two jobs: queued together, they still never run in one go.
     assert all(b > a for a, b in itertools.pairwise(seen)), seen
@@ -89,6 +94,32 @@ class TimedEngine(CountingEngine):
         time.sleep(self.seconds)
         self.spans.append((started, time.perf_counter()))
         return super().step()
+
+
+def test_short_jobs_get_as_much_time_between_two_steps_as_a_step_takes():
+    """A long piece of work cut into short jobs, each submitted when the last one's result is
+    back (as a compaction does): between two steps they run for about a step's time, so the
+    work gets about half the thread instead of one short job per step; and never much more."""
+    engine = TimedEngine(0.03)
+    thread = EngineThread("w", engine)
+    thread.run(lambda: engine.add(["long", 10**12]))
+    _until(lambda: engine.steps >= 3)
+    ran: list[tuple[float, float, int]] = []
+
+    def job() -> None:
+        started = time.perf_counter()
+        time.sleep(0.002)
+        ran.append((started, time.perf_counter(), engine.steps))
+
+    for _ in range(60):
+        thread.run(job)
+    turns = {steps for *_, steps in ran}
+    assert len(turns) <= 60 / 4  # several jobs per turn (one job per step would be 60 turns)
+    for turn in turns:  # a turn's jobs stop once they had a step's time, plus one job at most
+        spans = [(a, b) for a, b, steps in ran if steps == turn]
+        assert sum(b - a for a, b in spans) <= 0.03 + 0.02 + 0.01  # step, one job, slack
+    thread.run(engine.running.clear)
+    thread.shutdown(timeout=10)
 
 
 def _until(condition, timeout: float = 30.0) -> None:
