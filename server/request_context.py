@@ -69,7 +69,7 @@ def session_from_header(request: Request, body_session: str | None) -> str | Non
 
 
 def _route(scope: Scope) -> str:
-    """The matched route's template (`/v1/sessions/{session_id}`), never the raw path, so the
+    """The matched route's template (`/v1/sessions/{sid}`), never the raw path, so the
     label's values stay few whatever clients send; "-" when no route matched."""
     route = scope.get("route")
     return getattr(route, "path", "-")
@@ -122,7 +122,12 @@ class RequestContext:
                 if self.count is not None:
                     self.count(scope["method"], "-", 401)
                 return
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception:  # answered 500 by the outer error handler: counted as such
+                if self.count is not None:
+                    self.count(scope["method"], _route(scope), status or 500)
+                raise
             if self.count is not None:
                 self.count(scope["method"], _route(scope), status)
             log.info(

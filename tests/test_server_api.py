@@ -244,7 +244,7 @@ def test_client_disconnect_aborts_a_non_streamed_request(tight):
     tokens_before = _metric(tight, "cdlm_serve:request_generation_tokens_sum", "tiny")
     body = {"model": "tiny", "prompt": "a", "max_tokens": 450, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(f"{tight}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+        httpx.post(f"{tight}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if _metric(tight, "cdlm_serve:request_success_total", 'finished_reason="abort"') > before:
@@ -290,3 +290,26 @@ def test_http_requests_are_counted_by_route_template_and_status(base):
         if line.startswith("cdlm_serve:session_disk_quota_bytes ")
     )
     assert float(quota.split()[-1]) == 20e9  # the default --sessions-disk-gb
+
+
+def test_a_request_that_fails_inside_the_app_is_counted_as_a_500():
+    """The 5xx alert reads http_requests_total: an exception that escapes the routes (answered
+    500 by the outermost error handler) must be counted too."""
+    from server.request_context import RequestContext
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    counted: list[tuple[str, str, int]] = []
+    middleware = RequestContext(broken, count=lambda *labels: counted.append(labels))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        pass
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(middleware(scope, receive, send))
+    assert counted == [("POST", "-", 500)]
