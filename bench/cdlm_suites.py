@@ -73,24 +73,28 @@ def task_scores(row: Row, limit: int, args: Any) -> tuple[dict[str, float], floa
     return scores, statistics.mean(steps)
 
 
+def _text_run(row: Row, prompt: str, args: Any) -> tuple:
+    """(latency, steps, tokens, text) of one prompt decoded alone, to `--max-tokens`
+    (ignore_eos); the text scored is the answer up to its first end-of-text token."""
+    engine = row.engine
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    params = _params(engine, row.decoding, args.max_tokens, args)
+    params.ignore_eos = True
+    started = time.perf_counter()
+    outs = list(engine.generate(ids, params))
+    latency = time.perf_counter() - started
+    answer = [t for o in outs for t in o.token_ids]
+    end = next((i for i, t in enumerate(answer) if t in engine.eos_token_ids), None)
+    text = engine.tokenizer.decode(answer[:end], skip_special_tokens=True)
+    return latency, outs[-1].steps, len(answer), text
+
+
 def text_runs(rows: list[Row], prompts: list[str], args: Any) -> dict[str, list[tuple]]:
-    """Per row: (latency, steps, tokens, text) for each prompt, batch 1, rows interleaved.
-    Every answer is `--max-tokens` long (ignore_eos), so every decoder does the same work; the
-    text scored is the answer up to its first end-of-text token."""
+    """Per row, `_text_run` of each prompt; rows interleaved per prompt."""
     runs: dict[str, list[tuple]] = {r.name: [] for r in rows}
     for prompt in prompts:
         for row in rows:
-            engine = row.engine
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-            params = _params(engine, row.decoding, args.max_tokens, args)
-            params.ignore_eos = True
-            started = time.perf_counter()
-            outs = list(engine.generate(ids, params))
-            latency = time.perf_counter() - started
-            answer = [t for o in outs for t in o.token_ids]
-            end = next((i for i, t in enumerate(answer) if t in engine.eos_token_ids), None)
-            text = engine.tokenizer.decode(answer[:end], skip_special_tokens=True)
-            runs[row.name].append((latency, outs[-1].steps, len(answer), text))
+            runs[row.name].append(_text_run(row, prompt, args))
     return runs
 
 
@@ -104,12 +108,18 @@ def speed(done: list[tuple]) -> dict[str, float]:
 
 
 def both_paths(rows: list[Row], prompts: list[str], args: Any) -> tuple[dict, dict]:
-    """The text runs twice: each decoder on its fastest path (the fused CPU kernels wherever
-    they apply), then every decoder on the same (PyTorch) path. Returns (fastest runs,
-    same-path speeds)."""
-    fastest = text_runs(rows, prompts, args)
-    with kernels.cpu_kernels(False):
-        same = text_runs(rows, prompts, args)
+    """The text runs, batch 1, every answer `--max-tokens` long so that every decoder does the
+    same work, on two paths: each decoder on its fastest (the fused CPU kernels wherever they
+    apply: every step of up to `FUSED_STEP_TOKENS` tokens, in every mode) and every decoder on
+    the same (PyTorch) path. Interleaved (per prompt, per row, both paths one after the other)
+    so that machine noise hits all alike. Returns (fastest runs, same-path speeds)."""
+    fastest: dict[str, list[tuple]] = {r.name: [] for r in rows}
+    same: dict[str, list[tuple]] = {r.name: [] for r in rows}
+    for prompt in prompts:
+        for row in rows:
+            fastest[row.name].append(_text_run(row, prompt, args))
+            with kernels.cpu_kernels(False):
+                same[row.name].append(_text_run(row, prompt, args))
     return fastest, {name: speed(done) for name, done in same.items()}
 
 
@@ -205,14 +215,21 @@ def _print(result: dict, args: Any) -> None:
             f"{r['tok_s']:>8.1f}{r['score']:>7.1f}{em['addition3']:>7.1f}{em['trace4']:>7.1f}"
             f"{r['task_steps']:>8.1f}{r['gen_ppl']:>9.2f}{r['entropy']:>8.3f}"
         )
-    print_same_path({k: v["same_path"] for k, v in result.items() if k != "reference"})
+    print_same_path({k: v["same_path"] for k, v in result.items() if k != "reference"}, args.dtype)
 
 
-def print_same_path(rows: dict[str, dict]) -> None:
+def _same_path_label(dtype: str) -> str:
+    if not kernels.enable_cpu_kernels():
+        return "no fused kernels here: both tables ran the same code"
+    if dtype != "bfloat16":
+        return "fused kernels are bf16-only: both tables ran the same code"
+    return "fused CPU kernels off"
+
+
+def print_same_path(rows: dict[str, dict], dtype: str) -> None:
     """The text suite again with every decoder on the same (PyTorch) path: the algorithms'
     difference without the kernels'."""
-    fused = "fused CPU kernels off" if kernels.enable_cpu_kernels() else "no fused kernels here"
-    print(f"\nsame path for every decoder ({fused})")
+    print(f"\nsame path for every decoder ({_same_path_label(dtype)})")
     print(f"{'row':<22}{'latency':>10}{'':>8}{'steps':>8}{'tok/s':>8}")
     base = rows["vanilla"]
     for name, r in rows.items():

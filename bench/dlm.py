@@ -80,7 +80,7 @@ def run_table(args: argparse.Namespace) -> dict:
             "score": round(100 * sum(scored) / len(scored), 2) if scored else None,
         }
     _print_table(result, len(items), args)
-    cdlm_suites.print_same_path(same_path)
+    cdlm_suites.print_same_path(same_path, args.dtype)
     return result
 
 

@@ -78,6 +78,7 @@ class DLMEngine:
         self.running: dict[Decoding, list[DLMSequence]] = {d: [] for d in DECODINGS}
         self.waiting: list[DLMSequence] = []
         self.caches: dict[Decoding, KVCache] = {}
+        self._scratch: KVCache | None = None  # see scratch_cache
         self.forward_passes = 0  # every model forward this engine ran (tests check steps)
         # Called with (sequence, block logits [B, V]) at every step; for tests and tracing.
         self.on_step: Callable[[DLMSequence, Tensor], None] | None = None
@@ -148,6 +149,7 @@ class DLMEngine:
         for group in self.running.values():
             group.clear()
         self.caches.clear()
+        self._scratch = None
 
     def generate(self, prompt: list[int], params: DLMParams) -> Iterator[EngineOutput]:
         """Decode one request alone (the engine must be otherwise idle)."""
@@ -208,6 +210,14 @@ class DLMEngine:
             cache = self.caches[mode] = self.model.new_cache(self.max_batch, max(capacity, 64))
         cache.ensure_capacity(capacity)
         return cache
+
+    def scratch_cache(self, capacity: int) -> KVCache:
+        """max_batch rows of at least `capacity` slots for passes that commit nothing (vanilla
+        through the fused step, which reads K/V from a cache); not counted as KV use."""
+        if self._scratch is None:
+            self._scratch = self.model.new_cache(self.max_batch, max(capacity, 64))
+        self._scratch.ensure_capacity(capacity)
+        return self._scratch
 
     def _block_logits(self, block_pass: BlockPass, hidden: Tensor) -> Tensor:
         """[B, V] fp32 logits predicting the current block's tokens."""

@@ -11,18 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.dlm_modes.base import DecodingMode, block_causal, cached_forward
+from engine.dlm_modes.base import DecodingMode, block_causal, cached_forward, fused_forward
 from engine.dlm_sequence import BlockPass, DLMSequence
-from models.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from engine.dlm_engine import DLMEngine
-
-# cdlm steps of up to this many tokens (all rows together) run through the fused C++ step.
-# vanilla and fast_dllm steps (whole sequences, or a block plus every later position) stay on
-# the PyTorch path: the fused attention is a plain per-query loop, and at 320 tokens it made a
-# 256-token vanilla generation of the shipped teacher 1.7x slower (7.0 vs 4.1 s, bf16).
-FUSED_BLOCK_TOKENS = 128
 
 
 class Cdlm(DecodingMode):
@@ -66,10 +59,9 @@ class Cdlm(DecodingMode):
 
     def forward(self, engine: DLMEngine, passes: list[BlockPass]) -> Tensor:
         cache = engine.cache_for(self.name, 0)
-        if sum(p.tokens.shape[0] for p in passes) <= FUSED_BLOCK_TOKENS:
-            fused = self._fused(engine, passes, cache)
-            if fused is not None:
-                return fused
+        fused = fused_forward(engine, passes, cache, _block_causal_reach)
+        if fused is not None:
+            return fused
         pattern = block_causal([p.seq for p in passes], engine.model.device)
         return cached_forward(engine, self.name, passes, pattern)
 
@@ -79,36 +71,9 @@ class Cdlm(DecodingMode):
     def next_block(self, seq: DLMSequence) -> None:
         seq.commit_previous_block = True
 
-    @staticmethod
-    def _fused(engine: DLMEngine, passes: list[BlockPass], cache: KVCache) -> Tensor | None:
-        """The passes through the fused C++ step (bf16 on CPU): each row's new tokens (the
-        block just completed, to commit, then the current one; or the current one alone) are
-        block-causal, so every token attends to its row's committed slots and its own block,
-        bidirectionally. Returns hidden [n, Qmax, hidden] like the padded forward (padding
-        rows zero), or None where the fused kernels do not apply."""
-        ids: list[int] = []
-        owners: list[int] = []
-        slots: list[int] = []
-        attend: list[int] = []
-        for p in passes:
-            row, size, n = p.seq.row, p.seq.block_size, p.tokens.shape[0]
-            base = cache.lengths[row]
-            ids += p.tokens.tolist()
-            owners += [row] * n
-            slots += range(base, base + n)
-            attend += [base + min(n, (j // size + 1) * size) for j in range(n)]
-        flat = engine.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
-        if flat is None:
-            return None
-        q_max = max(p.tokens.shape[0] for p in passes)
-        hidden = flat.new_zeros(len(passes), q_max, flat.shape[-1])
-        start = 0
-        for i, p in enumerate(passes):
-            n = p.tokens.shape[0]
-            hidden[i, :n] = flat[start : start + n]
-            start += n
-        counts = [0] * cache.batch
-        for p in passes:
-            counts[p.seq.row] = p.commit
-        cache.commit(counts)
-        return hidden
+
+def _block_causal_reach(p: BlockPass, base: int, n: int) -> list[int]:
+    """A pass's tokens (the block just completed, then the current one; or the current one
+    alone) each see the row's committed slots and their own block, bidirectionally."""
+    size = p.seq.block_size
+    return [base + min(n, (j // size + 1) * size) for j in range(n)]

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.dlm_modes.base import DecodingMode, cached_forward
+from engine.dlm_modes.base import (
+    DecodingMode,
+    bidirectional_reach,
+    cached_forward,
+    fused_forward,
+)
 from engine.dlm_sequence import BlockPass, DLMSequence
 from models.attention import AttentionPattern
 
@@ -34,6 +39,9 @@ class FastDllm(DecodingMode):
         for p in passes:
             if p.seq.refresh:
                 cache.reset(p.seq.row)
+        fused = fused_forward(engine, passes, cache, bidirectional_reach)
+        if fused is not None:
+            return fused
         return cached_forward(engine, self.name, passes, AttentionPattern.bidirectional())
 
     def after_pass(self, seq: DLMSequence) -> None:

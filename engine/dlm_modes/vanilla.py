@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.dlm_modes.base import DecodingMode, padded_tokens
+from engine.dlm_modes.base import DecodingMode, bidirectional_reach, fused_forward, padded_tokens
 from engine.dlm_sequence import BlockPass, DLMSequence
 from models.attention import AttentionPattern
 
@@ -26,5 +26,9 @@ class Vanilla(DecodingMode):
         return BlockPass(seq, full, 0, offset)
 
     def forward(self, engine: DLMEngine, passes: list[BlockPass]) -> Tensor:
+        scratch = engine.scratch_cache(max(p.tokens.shape[0] for p in passes))
+        fused = fused_forward(engine, passes, scratch, bidirectional_reach)
+        if fused is not None:
+            return fused
         tokens, valid = padded_tokens(engine, passes)
         return engine.model(tokens, pattern=AttentionPattern.bidirectional(), valid=valid)
