@@ -191,9 +191,12 @@ class Soak:
         async with httpx.AsyncClient(timeout=900) as client:
             workers = []
             if "ar" in kinds:
-                body = {"model": self.ar_model, "max_tokens": self.ar_tokens, "ignore_eos": True}
+                ar_body = {"model": self.ar_model, "max_tokens": self.ar_tokens}
+                ar_body["ignore_eos"] = True
+                # The body is bound now: a closure over a name the DLM loop below reassigns
+                # sent DLM requests as "ar" (every ar+dlm and mix phase before this fix).
                 workers += [
-                    loop(lambda i: self.completion(client, body, tallies["ar"], i))
+                    loop(lambda i, b=ar_body: self.completion(client, b, tallies["ar"], i))
                     for _ in range(4)
                 ]
             if "ar-stream" in kinds:
