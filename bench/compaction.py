@@ -1,6 +1,7 @@
 """KV compaction, side by side: Attention Matching vs token-selection baselines on SmolLM2.
 
     python -m bench.compaction [--contexts 5] [--ratios 5 10 20 50] [--json out.json]
+    python -m bench.compaction --timing [--timing-lengths 1024 2048 4096 8192] [--json out.json]
 
 Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` for another text) with
 >= 20 synthetic facts inserted at spread depths ("The code name of the blue box is
@@ -11,14 +12,23 @@ it keeps, (nll_none - nll_method) / (nll_none - nll_full), on:
 
 - facts (the headline): NLL of each fact's answer after its question;
 - continuation (sanity): NLL of the true next 256 tokens;
+- paraphrase: NLL of each fact's answer after the same question in other words;
 - reconstruction: NLL of the context's first `--recon-tokens` tokens re-generated after an
-  instruction to repeat it (what KVzip measures);
+  instruction to repeat it (what KVzip measures), worded unlike the repeat instruction the
+  reference queries come from;
 
-plus greedy exact match on the facts, the mean relative attention-output error, and compaction
-wall time by stage. Methods (`engine.attention_matching.METHODS` with their query sources):
-am-omp and am-highest use repeat + self-study queries, their -fast variants repeat queries only;
-KVzip-style uses repeat queries; SnapKV/H2O use the context's own queries; streaming and random
-use none.
+plus greedy exact match on the facts, the mean relative attention-output error, the bytes the
+compacted cache takes, and compaction wall time by stage (without the reference queries'
+capture: each source's queries are captured once per context and shared by every method and
+ratio; `--timing` measures the whole cost). Methods (`engine.attention_matching.METHODS` with
+their query sources): am-omp and am-highest use repeat + self-study queries, their -fast
+variants repeat queries only; KVzip-style uses repeat queries; SnapKV, H2O and Expected
+Attention score keys with the context's own queries; streaming and random use none.
+
+`--timing` measures instead how long each Attention Matching variant takes to compact one
+context of each of `--timing-lengths` tokens (the start of Austen's first novel, 10x), split by
+stage (queries, keys, beta, values), every variant on the same prefilled cache, one after
+another, with nothing else running: the speed curve.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_compaction import compact_row
+from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
@@ -46,6 +56,7 @@ QUERY_SOURCE = {
     "kvzip": "repeat",
     "snapkv": "context",
     "h2o": "context",
+    "expected_attention": "context",
     "streaming": "context",
     "random": "context",
 }
@@ -118,6 +129,7 @@ class Fact:
     statement: str
     question: str
     answer: str  # what follows the question's answer prefix
+    paraphrase: str  # the same question in other words (its answer prefix too)
 
 
 def make_facts(n: int, rng: random.Random) -> list[Fact]:
@@ -131,6 +143,8 @@ def make_facts(n: int, rng: random.Random) -> list[Fact]:
                 question=f"\nQuestion: What is the code name of the {color} {obj}?\nAnswer: The "
                 f"code name of the {color} {obj} is",
                 answer=f" {code}.",
+                paraphrase=f"\nQ: Which code word was given to the {obj} that is {color}?\nA: "
+                f"The {color} {obj} was given the code word",
             )
         )
     return facts
@@ -183,9 +197,18 @@ def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+# The reconstruction probe's instruction: other words than the repeat instruction the
+# reference queries are captured after (engine.kv_compaction.REPEAT_INSTRUCTION), so that the
+# probe is not the very input AM and KVzip were fitted on.
+RECON_INSTRUCTION = (
+    "\n\nNow write out once more the passage you have just read, from its start.\n\n"
+)
+
+
 @dataclass(slots=True)
 class Probe:
     facts: list[tuple[list[int], list[int]]]  # (question ids, answer ids)
+    paraphrases: list[tuple[list[int], list[int]]]  # (paraphrased question ids, answer ids)
     continuation: list[int]
     recon_prompt: list[int]
     recon_target: list[int]
@@ -193,8 +216,10 @@ class Probe:
 
 def measure(model, cache: KVCache | None, probe: Probe, em: bool) -> dict[str, float]:
     facts = [answer_nll(model, cache, q, a) for q, a in probe.facts]
+    paraphrases = [answer_nll(model, cache, q, a) for q, a in probe.paraphrases]
     out = {
         "facts": statistics.mean(facts),
+        "para": statistics.mean(paraphrases),
         "cont": answer_nll(model, cache, probe.continuation[:1], probe.continuation[1:]),
         "recon": answer_nll(model, cache, probe.recon_prompt, probe.recon_target),
     }
@@ -206,6 +231,81 @@ def measure(model, cache: KVCache | None, probe: Probe, em: bool) -> dict[str, f
 
 def kept(none: float, full: float, method: float) -> float:
     return (none - method) / (none - full) if abs(none - full) > 1e-9 else float("nan")
+
+
+AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp")
+STAGES = ("queries", "keys", "beta", "values", "total")
+
+
+def _source(method: str) -> str:
+    """METHOD or METHOD:SOURCE -> the query source it runs with."""
+    name, _, source = method.partition(":")
+    return source or QUERY_SOURCE[name]
+
+
+def _compact(model, tok, cache, ids, target, method, args, captured=None):
+    """compact_row with the bench's settings; `captured`: queries per source, shared."""
+    return compact_row(
+        model,
+        tok,
+        cache,
+        0,
+        ids,
+        target,
+        method.partition(":")[0],
+        _source(method),
+        args.keep_recent,
+        seed=args.seed,
+        reference=(captured or {}).get(_source(method)),
+    )
+
+
+def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
+    """Seconds per stage of each AM variant at each context length (one run each)."""
+    from bench.load import austen_ids
+
+    longest = austen_ids(args.model, max(args.timing_lengths))
+    methods = [m for m in args.methods if m.partition(":")[0] in AM_METHODS]
+    rows: list[dict] = []
+    for length in args.timing_lengths:
+        ids = longest[:length]
+        full = model.new_cache(1, length + 64)
+        with torch.no_grad():
+            model(torch.tensor([ids], device=model.device), cache=full)
+        for method in methods:
+            cache = full.extract_row(0)
+            target = max(1, round(length / args.timing_ratio) - args.keep_recent)
+            report = _compact(model, tok, cache, ids, target, method, args)
+            row = {"tokens": length, "method": method, **report.seconds}
+            rows.append(row)
+            print(
+                f"{length:>6} {method:<18}"
+                + "".join(f"{k} {row.get(k, 0.0):7.2f}s  " for k in STAGES),
+                flush=True,
+            )
+            if args.json:
+                save_json(args.json, {"timing": rows})
+    _print_timing(rows, args, methods)
+    return rows
+
+
+def _print_timing(rows: list[dict], args: argparse.Namespace, methods: list[str]) -> None:
+    threads = torch.get_num_threads()
+    print(
+        f"\ncompaction seconds, {args.timing_ratio:.0f}x, {args.dtype} model, fp32 fits, "
+        f"{threads} threads (queries / keys / beta / values = total)"
+    )
+    print(f"{'method':<20}" + "".join(f"{n:>34}" for n in args.timing_lengths))
+    for method in methods:
+        line = f"{method:<20}"
+        for n in args.timing_lengths:
+            r = next((r for r in rows if r["tokens"] == n and r["method"] == method), None)
+            if r is None:
+                line += f"{'-':>34}"
+                continue
+            parts = " / ".join(f"{r.get(k, 0.0):.1f}" for k in STAGES[:-1])
+            line += f"{parts + ' = ' + format(r['total'], '.1f'):>34}"
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -228,6 +328,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--timing", action="store_true", help="the speed curve instead of fidelity")
+    p.add_argument("--timing-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--timing-ratio", type=float, default=10)
     p.add_argument(
         "--only",
         type=int,
@@ -259,6 +362,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
+    if args.timing:
+        return run_timing(model, tok, args)
     text = (
         args.text.read_text()
         if args.text
@@ -272,17 +377,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.only is not None and c not in args.only:
             continue
         ids = tok(context, add_special_tokens=False).input_ids
-        repeat = tok("\n\nRepeat the text above exactly.\n\n", add_special_tokens=False).input_ids
+        recon = tok(RECON_INSTRUCTION, add_special_tokens=False).input_ids
+        encode = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
         probe = Probe(
-            facts=[
-                (
-                    tok(f.question, add_special_tokens=False).input_ids,
-                    tok(f.answer, add_special_tokens=False).input_ids,
-                )
-                for f in facts
-            ],
+            facts=[(encode(f.question), encode(f.answer)) for f in facts],
+            paraphrases=[(encode(f.paraphrase), encode(f.answer)) for f in facts],
             continuation=continuation,
-            recon_prompt=repeat + ids[:1],
+            recon_prompt=recon + ids[:1],
             recon_target=ids[1 : 1 + args.recon_tokens],
         )
         started = time.perf_counter()
@@ -290,11 +391,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with torch.no_grad():
             model(torch.tensor([ids], device=model.device), cache=full)
         prefill_s = time.perf_counter() - started
+        # Every method and ratio of this context reads the same reference queries: captured
+        # once per source (on-policy ones depend on the fit and are captured each time).
+        sources = {_source(m) for m in args.methods}
+        captured = {
+            src: list(reference_queries(model, tok, full, 0, ids, src))
+            for src in sorted(sources - {"on-policy"})
+        }
         base_none = measure(model, None, probe, em=False)
         base_full = measure(model, full, probe, em=True)
         print(
             f"context {c}: {len(ids)} tokens, {len(facts)} facts, prefill {prefill_s:.1f}s; "
             f"fact NLL none {base_none['facts']:.2f} full {base_full['facts']:.2f}, "
+            f"paraphrased none {base_none['para']:.2f} full {base_full['para']:.2f}, "
             f"EM full {base_full['em']:.0f}%",
             flush=True,
         )
@@ -305,19 +414,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for method in args.methods:
                 cache = full.extract_row(0)
-                name, _, source = method.partition(":")
-                report = compact_row(
-                    model,
-                    tok,
-                    cache,
-                    0,
-                    ids,
-                    target,
-                    name,
-                    source or QUERY_SOURCE[name],
-                    args.keep_recent,
-                    seed=args.seed,
-                )
+                report = _compact(model, tok, cache, ids, target, method, args, captured)
                 got = measure(model, cache, probe, em=True)
                 row = {
                     "context": c,
@@ -326,18 +423,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "ratio": ratio,
                     "physical": cache.lengths[0],
                     "facts_kept": kept(base_none["facts"], base_full["facts"], got["facts"]),
+                    "para_kept": kept(base_none["para"], base_full["para"], got["para"]),
                     "cont_kept": kept(base_none["cont"], base_full["cont"], got["cont"]),
                     "recon_kept": kept(base_none["recon"], base_full["recon"], got["recon"]),
                     "facts_em": got["em"],
                     "facts_em_full": base_full["em"],
                     "out_err": report.output_error,
+                    "bytes": cache.nbytes(0),
+                    "bytes_full": full.nbytes(0),
                     "seconds": report.seconds,
                 }
                 rows.append(row)
                 if args.json:  # after every row, so a stopped run keeps what it measured
                     save_json(args.json, {"rows": rows})
                 print(
-                    f"  {ratio:>4.0f}x {method:<16} facts {row['facts_kept']:+.2f} cont "
+                    f"  {ratio:>4.0f}x {method:<18} facts {row['facts_kept']:+.2f} para "
+                    f"{row['para_kept']:+.2f} cont "
                     f"{row['cont_kept']:+.2f} recon {row['recon_kept']:+.2f} EM "
                     f"{row['facts_em']:.0f}% err {row['out_err']:.3f} "
                     f"{report.seconds['total']:.1f}s",
@@ -359,7 +460,7 @@ def summarize(rows: list[dict], ratios: list[float], methods: list[str]) -> list
     """Median (and min..max) over contexts, per method and ratio; printed as tables."""
     out = []
     width = max(18, *(len(m) + 2 for m in methods))
-    for key in ("facts_kept", "cont_kept", "recon_kept", "facts_em", "out_err"):
+    for key in ("facts_kept", "para_kept", "cont_kept", "recon_kept", "facts_em", "out_err"):
         print(f"\n{key} (median over contexts, [min, max])")
         print(f"{'method':<{width}}" + "".join(f"{r:>18.0f}x" for r in ratios))
         for method in methods:

@@ -19,8 +19,9 @@ which together make the compacted block a drop-in for the original inside any la
 3. C_v = least squares of the compacted softmax weights against the original outputs (ridge
    when ill-conditioned).
 
-Token-selection baselines (StreamingLLM, H2O, SnapKV, random, KVzip-style) share the interface:
-they pick keys, keep their values and add no bias.
+Token-selection baselines (StreamingLLM, H2O, SnapKV, Expected Attention, KVzip-style, random;
+`engine.compaction_baselines`) share the interface: they pick keys and keep their values and
+bias.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from engine import compaction_baselines as baselines
 from engine.nnls import GrowingNNLS, nonnegative_weights
 
 Aggregate = Literal["rms", "mean", "max"]
@@ -46,7 +48,22 @@ class HeadInputs:
     queries: Tensor  # [n, D] reference queries (the group's heads pooled), post-RoPE
     scale: float
     bias: Tensor | None = None  # [T] additive bias already on these slots
+    # For the baselines that score keys with the context's own queries
+    # (`engine.compaction_baselines`): every query head of the group [G, n, D] in position
+    # order (not subsampled) and their positions [n]; the region's key positions [T]; the
+    # row's slots after the region [R, D] (their bias [R], positions [R]), which those queries
+    # attended to as well; and Expected Attention's future-query statistics per head of the
+    # group, mean [G, D] and covariance [G, D, D].
+    head_queries: Tensor | None = None
+    query_positions: Tensor | None = None
+    key_positions: Tensor | None = None
+    tail_keys: Tensor | None = None
+    tail_bias: Tensor | None = None
+    tail_positions: Tensor | None = None
+    future: tuple[Tensor, Tensor] | None = None
     _scores: Tensor | None = None
+    _targets: tuple[Tensor, Tensor, Tensor] | None = None
+    _rowmax: Tensor | None = None
 
     def scores(self) -> Tensor:
         """[n, T] fp32 attention scores (computed once: every stage reads them)."""
@@ -66,18 +83,30 @@ class HeadResult:
 
 # ---- targets ---------------------------------------------------------------------------------
 def targets(h: HeadInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """(E [n, T] = exp(s - rowmax), mass m [n], outputs Y [n, D]) of the original block."""
-    s = h.scores()
-    e = torch.exp(s - s.max(dim=1, keepdim=True).values)
-    m = e.sum(dim=1)
-    y = (e @ h.values.float()) / m[:, None]
-    return e, m, y
+    """(E [n, T] = exp(s - rowmax), mass m [n], outputs Y [n, D]) of the original block,
+    computed once per head (keys, beta, values and the error all read them)."""
+    if h._targets is None:
+        s = h.scores()
+        h._rowmax = s.max(dim=1, keepdim=True).values
+        e = torch.exp(s - h._rowmax)
+        m = e.sum(dim=1)
+        y = (e @ h.values.float()) / m[:, None]
+        h._targets = e, m, y
+    return h._targets
+
+
+def _row_max(h: HeadInputs) -> Tensor:
+    """[n, 1] the scores' row maxima (the stabilizer of `targets`)."""
+    targets(h)
+    assert h._rowmax is not None
+    return h._rowmax
 
 
 # ---- key selection ---------------------------------------------------------------------------
 def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
     """The t keys the reference queries attend to most (aggregated over queries)."""
-    p = torch.softmax(h.scores(), dim=1)  # [n, T]
+    e, m, _ = targets(h)
+    p = e / m[:, None]  # [n, T] the softmax
     if aggregate == "rms":
         score = p.pow(2).mean(dim=0).sqrt()
     elif aggregate == "mean":
@@ -199,8 +228,7 @@ def fit(h: HeadInputs, index: Tensor, timings: dict[str, float] | None = None) -
     clock = _Clock(timings)
     _, m, y = targets(h)
     s = h.queries.float() @ h.keys[index].float().T * h.scale  # [n, t], without old bias
-    rowmax = h.scores().max(dim=1, keepdim=True).values
-    a = torch.exp(s - rowmax)  # same stabilization as the target
+    a = torch.exp(s - _row_max(h))  # same stabilization as the target
     w = nonnegative_weights(a, m).clamp_min(MIN_WEIGHT)
     beta = torch.log(w)
     clock.lap("beta")
@@ -217,42 +245,6 @@ def keep(h: HeadInputs, index: Tensor) -> HeadResult:
     return HeadResult(index, h.keys[index].float(), bias, h.values[index].float())
 
 
-# ---- baselines' key choices ------------------------------------------------------------------
-def streaming(total: int, t: int, sinks: int = 4) -> Tensor:
-    """StreamingLLM: the first `sinks` tokens and the most recent t - sinks."""
-    sinks = min(sinks, t)
-    return torch.cat([torch.arange(sinks), torch.arange(total - (t - sinks), total)])
-
-
-def h2o(h: HeadInputs, t: int) -> Tensor:
-    """H2O: the keys with the largest attention accumulated over the (context) queries."""
-    return torch.softmax(h.scores(), dim=1).sum(dim=0).topk(t).indices.sort().values
-
-
-def snapkv(h: HeadInputs, t: int, window: int = 32, kernel: int = 7) -> Tensor:
-    """SnapKV: attention from the last `window` queries, max-pooled over neighbouring keys;
-    the window's own keys are always kept."""
-    total = h.keys.shape[0]
-    window = min(window, total, t)
-    q = h.queries[-window:]
-    s = q.float() @ h.keys.float().T * h.scale
-    if h.bias is not None:
-        s = s + h.bias.float()
-    votes = torch.softmax(s, dim=1).sum(dim=0)[: total - window]  # [T - window]
-    pooled = torch.nn.functional.max_pool1d(votes[None, None], kernel, 1, kernel // 2)[0, 0]
-    chosen = pooled.topk(t - window).indices if t > window else torch.zeros(0, dtype=torch.long)
-    return torch.cat([chosen, torch.arange(total - window, total)]).sort().values
-
-
-def random_keys(total: int, t: int, generator: torch.Generator) -> Tensor:
-    return torch.randperm(total, generator=generator)[:t].sort().values
-
-
-def kvzip(h: HeadInputs, t: int) -> Tensor:
-    """KVzip-style: keys by their maximum attention from repeat-the-context queries."""
-    return highest_attention(h, t, "max")
-
-
 # ---- one head, any method ---------------------------------------------------------------------
 METHODS = (
     "am-omp",
@@ -262,6 +254,7 @@ METHODS = (
     "snapkv",
     "h2o",
     "streaming",
+    "expected_attention",
     "kvzip",
     "random",
 )
@@ -277,6 +270,10 @@ def select_keys(
     total = h.keys.shape[0]
     if not 1 <= t <= total:
         raise ValueError(f"target size {t} outside [1, {total}]")
+    if method in ("snapkv", "h2o", "expected_attention") and h.head_queries is None:
+        raise ValueError(f"{method} needs the context's own queries (HeadInputs.head_queries)")
+    if method == "expected_attention" and h.future is None:
+        raise ValueError("expected_attention needs the future queries' statistics")
     if method == "am-omp":
         return omp(h, t, budget=budget)
     if method == "am-omp-fast":
@@ -284,15 +281,17 @@ def select_keys(
     if method in ("am-highest", "am-highest-fast"):
         return highest_attention(h, t)
     if method == "snapkv":
-        return snapkv(h, t)
+        return baselines.snapkv(h, t)
     if method == "h2o":
-        return h2o(h, t)
+        return baselines.h2o(h, t)
     if method == "streaming":
-        return streaming(total, t)
+        return baselines.streaming(total, t)
+    if method == "expected_attention":
+        return baselines.expected_attention(h, t)
     if method == "kvzip":
-        return kvzip(h, t)
+        return highest_attention(h, t, "max")  # KVzip-style: repeat queries, max attention
     if method == "random":
-        return random_keys(total, t, generator or torch.Generator().manual_seed(0))
+        return baselines.random_keys(total, t, generator or torch.Generator().manual_seed(0))
     raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -324,9 +323,7 @@ def relative_output_error(h: HeadInputs, r: HeadResult) -> float:
 
 def mass_error(h: HeadInputs, r: HeadResult) -> float:
     """Relative error of the attention mass sum_j exp(s_j) over the reference queries."""
-    s = h.scores()
-    mx = s.max(dim=1, keepdim=True).values
-    m = torch.exp(s - mx).sum(dim=1)
+    _, m, _ = targets(h)
     s_hat = h.queries.float() @ r.keys.T * h.scale + r.bias
-    m_hat = torch.exp(s_hat - mx).sum(dim=1)
+    m_hat = torch.exp(s_hat - _row_max(h)).sum(dim=1)
     return float((m_hat - m).norm() / m.norm())

@@ -11,8 +11,9 @@ capture) is submitted as jobs (`submit`, `call`, `run`): each runs on this threa
 two steps, so the model is only ever used from here and long work, cut into pieces, never stops
 decoding for longer than one piece.
 
-Each step and job runs on this thread's share of the cores (`engine.core_share`): busy while it
-has work, idle (its cores handed to the other threads) while it waits for some.
+Each step and job runs through the server's core share (`engine.core_share.CoreShare.run`: on
+every core when this is the only busy thread, on one beside the others): busy while it has work,
+idle (its cores handed to the other threads) while it waits for some.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class EngineThread:
         cores: CoreShare | None = None,
     ):
         self.name = name
-        self.cores = cores or CoreShare()  # shared with the server's other busy threads
+        self.cores = cores or CoreShare.shared()  # with the process's other busy threads
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called with each step's wall time (metrics)
@@ -94,6 +95,11 @@ class EngineThread:
     @property
     def running(self) -> int:
         return self.engine.num_running()
+
+    def has_requests(self) -> bool:
+        """Requests are decoding or waiting (a snapshot, from any thread): decode steps would
+        wait for a job now."""
+        return self.running > 0 or self.waiting > 0
 
     def full(self) -> bool:
         return self.waiting >= self.max_queue
@@ -177,9 +183,8 @@ class EngineThread:
             if not self.engine.has_work():
                 continue
             try:
-                self.cores.enter()
                 started = time.perf_counter()
-                outputs = self.engine.step()
+                outputs = self.cores.run(self.engine.step)
                 elapsed = time.perf_counter() - started
             except Exception as e:  # fail everyone in flight; the engine state is suspect
                 log.exception("engine step failed")
@@ -218,9 +223,8 @@ class EngineThread:
                 block = False
                 continue
             if isinstance(req, _Job):
-                self.cores.enter()
                 started = time.perf_counter()
-                self._run_job(req)
+                self.cores.run(lambda job=req: self._run_job(job))
                 self._turn_jobs += time.perf_counter() - started
                 if self.engine.has_work() and self._turn_jobs >= self._last_step:
                     return True  # the jobs had their time: decoding never waits for a queue

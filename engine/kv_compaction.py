@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from engine import compaction_baselines as baselines
 from engine.attention_matching import (
     METHODS,
     HeadInputs,
@@ -48,9 +49,18 @@ from engine.attention_matching import (
     relative_output_error,
 )
 from models.kv_cache import KVCache
+from models.layers import Pace
 from models.transformer import Transformer, new_capture
 
 QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
+# Baselines that score keys with the context's own queries, as at prefill time.
+CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
+# Each method's reference queries when a request names none: what its paper uses (Attention
+# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
+# context's own; streaming and random score nothing, the context's queries measure them).
+DEFAULT_QUERY_SOURCE = {
+    m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
+}
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
 
@@ -100,8 +110,14 @@ class _Engine:
     """`on_engine` with a stopwatch: counts the pieces and keeps the longest."""
 
     on_engine: OnEngine
+    # Whether the model's requests wait for these pieces (then each is about a decode step).
+    urgent: Callable[[], bool] = lambda: False
     jobs: int = 0
     longest: float = 0.0
+
+    @property
+    def pace(self) -> Pace:
+        return Pace(self.urgent)
 
     def __call__(self, fn: Callable[[], T]) -> T:
         def timed() -> T:
@@ -124,15 +140,24 @@ class _Engine:
                 yield q[0].float()
 
 
-def _stages(model: Transformer, ids: list[int], cache: KVCache | None = None, row: int = 0):
+def _urgency(on_engine: OnEngine) -> Callable[[], bool]:
+    """Without word from the caller: model work run right here (`inline`) delays nobody's
+    decoding; work handed to an engine might."""
+    urgent = on_engine is not inline
+    return lambda: urgent
+
+
+def _stages(
+    model: Transformer, ids: list[int], pace: Pace, cache: KVCache | None = None, row: int = 0
+):
     """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
     a cache row (attending to its real slots, committing nothing). Nothing runs the model yet
     (the cache, locked by the caller and used by no one else, grows here, off the engine)."""
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
-        return model.forward_stages(tokens)
+        return model.forward_stages(tokens, pace=pace)
     cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
-    return model.forward_stages(tokens, cache=cache, rows=(row, row + 1), commit=False)
+    return model.forward_stages(tokens, cache=cache, rows=(row, row + 1), commit=False, pace=pace)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -177,14 +202,16 @@ def reference_queries(
     """Per layer, in layer order, [H, n, D] fp32: the queries of `source`, one of
     QUERY_SOURCES bar "on-policy" (which only exists during a compaction). The long forwards
     advance in step, one layer each, so one layer's queries are held at a time."""
-    engine = on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine)
+    engine = (
+        on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
+    )
     streams: list[Iterator[Tensor]] = []
     if source == "context":
-        streams.append(engine.layers(_stages(model, context_ids)))
+        streams.append(engine.layers(_stages(model, context_ids, engine.pace)))
     if "repeat" in source:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        streams.append(engine.layers(_stages(model, ids, cache, row)))
+        streams.append(engine.layers(_stages(model, ids, engine.pace, cache, row)))
     if "self-study" in source:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):
@@ -200,22 +227,37 @@ def compact_row(
     context_ids: list[int],
     target: int,
     method: str = "am-highest",
-    query_source: str = "repeat",
+    query_source: str | None = None,
     keep_recent: int = 0,
     seed: int = 0,
     max_queries: int = 2048,
     on_engine: OnEngine = inline,
     omp_budget: float | None = None,
+    on_fit: OnEngine = inline,
+    reference: list[Tensor] | None = None,
+    urgent: Callable[[], bool] | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
     `context_ids` is the token history the row holds (queries are built from it). Each KV head
     fits at most `max_queries` reference queries (a seeded random subset of its group's): the
     fits cost O(queries x tokens), and a few thousand queries already pin t << T slots.
-    `on_engine` runs the pieces that use the model (see the module's doc); `omp_budget` bounds
-    OMP's key selection, in seconds for the whole compaction."""
+    `on_engine` runs the pieces that use the model (see the module's doc), `on_fit` each
+    layer's fit (the server's core share: on every core when nothing else is busy);
+    `omp_budget` bounds OMP's key selection, in seconds for the whole compaction.
+    `reference`: the source's per-layer queries, captured before on this very row (a benchmark
+    compacting one row many ways); not for on-policy, whose queries depend on the fit.
+    `urgent()` says whether the model's requests wait for the pieces of model work (then they
+    are about a decode step each, else larger: `models.layers.Pace`); without it, they are
+    small whenever `on_engine` is not `inline`."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
+    query_source = query_source or DEFAULT_QUERY_SOURCE[method]
+    if method in CONTEXT_SCORED and query_source != "context":
+        raise ValueError(
+            f"{method} scores keys with the context's own queries: query_source must be "
+            f"'context', not {query_source!r}"
+        )
     if query_source not in QUERY_SOURCES:
         raise ValueError(
             f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
@@ -230,14 +272,30 @@ def compact_row(
     started = time.perf_counter()
     budget = None if omp_budget is None else OmpBudget.starting_now(omp_budget)
     fit = _LayerFit(
-        model.config, cache, row, region, target, method, seed, max_queries, seconds, budget
+        model.config,
+        cache,
+        row,
+        region,
+        target,
+        method,
+        seed,
+        max_queries,
+        seconds,
+        budget,
+        on_fit,
     )
-    engine = _Engine(on_engine)
+    if method == "expected_attention":
+        fit.rope = _expected_attention_rope(model, len(context_ids), cache.logical[row])
+    engine = _Engine(on_engine, urgent or _urgency(on_engine))
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine)
     else:
         n_queries = 0
-        queries = reference_queries(model, tokenizer, cache, row, context_ids, query_source, engine)
+        queries = reference
+        if queries is None:
+            queries = reference_queries(
+                model, tokenizer, cache, row, context_ids, query_source, engine
+            )
         for layer, q in enumerate(queries):
             fit(layer, q)
             n_queries = int(q.shape[1])
@@ -278,6 +336,10 @@ class _LayerFit:
     max_queries: int
     seconds: dict[str, float]
     budget: OmpBudget | None = None
+    on_fit: OnEngine = inline
+    # Expected Attention's RoPE tables: (cos, sin) of the context queries' positions [n, D],
+    # then of the future positions [F, D].
+    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     biases: list[Tensor] = field(default_factory=list)
@@ -287,7 +349,16 @@ class _LayerFit:
         self.generator = torch.Generator().manual_seed(self.seed)
 
     def __call__(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t])."""
+        """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t]), fitted
+        through `on_fit`."""
+
+        def work() -> tuple[Tensor, Tensor, Tensor]:
+            with torch.no_grad():  # grad mode is per thread: say it where the work runs
+                return self._fit(layer, queries)
+
+        return self.on_fit(work)
+
+    def _fit(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg, region = self.cfg, self.region
         group = cfg.num_heads // cfg.num_kv_heads
         keys, values, bias = self.cache.read(self.row, layer)  # [Hkv, T, D], [Hkv, T]
@@ -295,6 +366,9 @@ class _LayerFit:
         layer_k, layer_v, layer_b = [], [], []
         if self.budget is not None:
             self.budget.layer = layer
+        future = None
+        if self.rope is not None:
+            future = baselines.future_query_statistics(q, *self.rope)  # [H, D], [H, D, D]
         for g in range(cfg.num_kv_heads):
             pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
             if pooled.shape[0] > self.max_queries:
@@ -307,6 +381,11 @@ class _LayerFit:
                 scale=cfg.head_dim**-0.5,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
+            if self.method in CONTEXT_SCORED:
+                self._add_context(h, q[g * group : (g + 1) * group], keys[g], bias, g)
+            if future is not None:
+                heads = slice(g * group, (g + 1) * group)
+                h.future = (future[0][heads], future[1][heads])
             r = compact_head(h, self.target, self.method, self.generator, self.seconds, self.budget)
             self.errors.append(relative_output_error(h, r))
             layer_k.append(r.keys)
@@ -322,6 +401,34 @@ class _LayerFit:
         self.values.append(out[1])
         self.biases.append(out[2])
         return out
+
+    def _add_context(
+        self, h: HeadInputs, group_queries: Tensor, keys: Tensor, bias: Tensor | None, g: int
+    ) -> None:
+        """What the prefill-time baselines read: the group's context queries [G, n, D] at
+        positions 0..n-1, and every slot's position. A row never compacted holds slot i at
+        position i; on one compacted before (its first slots stand for more tokens than they
+        are), slot i is taken to be at i + logical - physical, the compacted slots counting as
+        the oldest visible ones: an approximation only those rows need."""
+        length = keys.shape[0]
+        positions = torch.arange(length) + self.cache.logical[self.row] - length
+        h.head_queries = group_queries
+        h.query_positions = torch.arange(group_queries.shape[1])
+        h.key_positions = positions[: self.region]
+        h.tail_keys = keys[self.region :].float().cpu()
+        tail = length - self.region
+        h.tail_bias = torch.zeros(tail) if bias is None else bias[g, self.region :].float().cpu()
+        h.tail_positions = positions[self.region :]
+
+
+def _expected_attention_rope(
+    model: Transformer, n_queries: int, logical: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fp32 cos/sin of the context queries' positions [0, n) and of the positions the next
+    EXPECTED_FUTURE tokens will take, from the row's logical length on."""
+    cos, sin = model.rope_fp32(0, n_queries)
+    future_cos, future_sin = model.rope_fp32(logical, baselines.EXPECTED_FUTURE)
+    return cos, sin, future_cos, future_sin
 
 
 def _splice(work: KVCache, layer: int, segment: tuple[Tensor, Tensor, Tensor], region: int):
@@ -357,7 +464,7 @@ def _on_policy(
     if work.biases is None:
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
-    stages = _stages(model, ids, work, 0)
+    stages = _stages(model, ids, engine.pace, work, 0)
     for layer, q in enumerate(engine.layers(stages)):
         _splice(work, layer, fit(layer, q), fit.region)
     return len(ids)

@@ -1,15 +1,17 @@
 """Model work the server needs outside decoding, cut into bounded pieces.
 
 A session's prompt is prefilled, and an echoed prompt's logprobs are computed, in chunks of at
-most `CHUNK_TOKENS` tokens. Each chunk is one piece of work handed to `on_engine` (the server
-passes `EngineThread.run`, which runs it on the model's engine thread between two decode steps),
-so a long prompt never holds the engine for more than one chunk and never materializes logits
-for more than one chunk ([chunk, vocab] instead of [prompt, vocab]: 1.6 GB of fp32 for 8K tokens
-of a 49K vocabulary). Run these functions from a thread that may block, never the event loop.
+most `CHUNK_TOKENS` tokens (a prefill's are shorter while other requests are decoding). Each
+chunk is one piece of work handed to `on_engine` (the server passes `EngineThread.run`, which
+runs it on the model's engine thread between two decode steps), so a long prompt never holds
+the engine for more than one chunk and never materializes logits for more than one chunk
+([chunk, vocab] instead of [prompt, vocab]: 1.6 GB of fp32 for 8K tokens of a 49K vocabulary).
+Run these functions from a thread that may block, never the event loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,10 @@ from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 CHUNK_TOKENS = 512
+# While other requests of the model decode, a session's prefill goes in chunks this long: the
+# AR engine's own chunked-prefill size on CPUs (`FUSED_PREFILL_TOKENS`), ~0.1-0.2 s a chunk on
+# SmolLM2 against a few thousand cached tokens instead of ~0.5-1 s.
+URGENT_CHUNK_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -32,8 +38,15 @@ def _chunks(ids: list[int]) -> list[list[int]]:
     return [ids[i : i + CHUNK_TOKENS] for i in range(0, len(ids), CHUNK_TOKENS)]
 
 
-def prefill(model: Transformer, ids: list[int], on_engine: OnEngine = inline) -> KVCache:
-    """A fresh batch-1 cache holding `ids`, prefilled one chunk per piece of work."""
+def prefill(
+    model: Transformer,
+    ids: list[int],
+    on_engine: OnEngine = inline,
+    urgent: Callable[[], bool] = lambda: False,
+) -> KVCache:
+    """A fresh batch-1 cache holding `ids`, prefilled one chunk per piece of work: of
+    CHUNK_TOKENS tokens, or URGENT_CHUNK_TOKENS while `urgent()` says the model's requests are
+    waiting for the pieces (a chunk is that long a pause in their decoding)."""
     cache = model.new_cache(1, len(ids) + 64)
 
     # Grad and inference modes are per thread: each piece says its own. Not inference_mode:
@@ -42,8 +55,11 @@ def prefill(model: Transformer, ids: list[int], on_engine: OnEngine = inline) ->
     def run(chunk: list[int]) -> None:
         model(torch.tensor([chunk], device=model.device), cache=cache)
 
-    for chunk in _chunks(ids):
+    start = 0
+    while start < len(ids):
+        chunk = ids[start : start + (URGENT_CHUNK_TOKENS if urgent() else CHUNK_TOKENS)]
         on_engine(lambda c=chunk: run(c))
+        start += len(chunk)
     return cache
 
 

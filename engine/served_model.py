@@ -87,10 +87,14 @@ def load_served_model(
         log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
         active = kernels.enable_cpu_kernels()
         log.info("%s: fused CPU kernels %s", name, "ready" if active else "unavailable")
-    log.info("%s: finding %s (a built-in model is fetched and converted once)", name, spec)
-    path = resolve(spec)
-    log.info("%s: loading weights from %s on %s/%s", name, path, device, dtype)
-    model, ckpt = load_model(path, device=device, dtype=dtype, resolve=resolve)
+    share = cores or CoreShare.shared()
+    with share.working():  # converting and loading weights on every core, through the share
+        log.info("%s: finding %s (a built-in model is fetched and converted once)", name, spec)
+        path = share.run(lambda: resolve(spec))
+        log.info("%s: loading weights from %s on %s/%s", name, path, device, dtype)
+        model, ckpt = share.run(
+            lambda: load_model(path, device=device, dtype=dtype, resolve=resolve)
+        )
     tokenizer = load_tokenizer(ckpt.tokenizer_folder or path)
     limit = min(
         max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings
@@ -111,7 +115,7 @@ def load_served_model(
         engine = AREngine(model, tokenizer, limit, max_batch, chunk)
         if metrics is not None:
             engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
-    thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=cores)
+    thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=share)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",
         name,

@@ -1,18 +1,19 @@
 """The blocks the transformer is built of: projections, norms, attention, MLP, a pre-norm
 block. Attention works on explicit masks and per-key biases (`models.attention`) and writes its
 new keys and values into the model's KV cache (`models.kv_cache`); it can run in query chunks,
-pausing between them (`Attention.attend(pause=True)`), for forwards spread over pieces of work.
+pausing between them (`Attention.attend(pace=...)`), for forwards spread over pieces of work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import kernels
+from models import flash_continuation, kernels
 from models.attention import AttentionMask, with_key_bias
 from models.config import ModelConfig
 from models.kv_cache import KVCache
@@ -20,8 +21,30 @@ from models.kv_cache import KVCache
 # Attention with an explicit mask runs in query chunks whose [B, H, chunk, K] mask and scores
 # stay under this many elements (64 MB in fp32), however long the sequence and the cache.
 ATTENTION_CHUNK_ELEMENTS = 1 << 24
-# A staged forward (`Transformer.forward_stages`) runs its MLPs this many tokens per piece.
-STAGE_MLP_TOKENS = 1024
+# A staged forward (`Transformer.forward_stages`) is cut into pieces, each sized as it starts
+# (`Pace`): while decode steps of the model's requests wait for them, about one decode step
+# (attention over at most this many query-key pairs x heads, MLPs over this many tokens)...
+STAGE_ATTENTION_ELEMENTS = 1 << 23
+STAGE_MLP_TOKENS = 256
+# ...and while nothing waits, larger: small pieces cost the kernels efficiency. Measured (SmolLM2
+# bf16, 2 cores, a 4K-token compaction's repeat pass over 8K keys): 661 pieces of 1 << 24 pairs
+# and 1,024 tokens, 25 ms at the median, took 17.1 s; 1,291 pieces of 1 << 23 and 512, 21.7 s.
+STAGE_IDLE_ATTENTION_ELEMENTS = 1 << 25
+STAGE_IDLE_MLP_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How large the next piece of a staged forward is, asked before each piece: small while
+    `urgent()` says that decode steps wait for the pieces, large while nothing does."""
+
+    urgent: Callable[[], bool] = lambda: True
+
+    def attention_elements(self) -> int:
+        return STAGE_ATTENTION_ELEMENTS if self.urgent() else STAGE_IDLE_ATTENTION_ELEMENTS
+
+    def mlp_tokens(self) -> int:
+        return STAGE_MLP_TOKENS if self.urgent() else STAGE_IDLE_MLP_TOKENS
 
 
 def run_through(work: Generator[None, None, Tensor]) -> Tensor:
@@ -109,22 +132,30 @@ class Attention(nn.Module):
         mask: AttentionMask,
         cache: KVCache | None,
         layer: int,
-        pause: bool = False,
+        pace: Pace | None = None,
     ) -> Generator[None, None, Tensor]:
         """The new tokens' q [B, H, Q, D] and k, v [B, Hkv, Q, D] (written to the cache first,
         when there is one) -> attention output through o_proj, [B, Q, hidden]. A generator:
-        with `pause`, it runs in query chunks and yields None between them (a long forward's
-        attention as pieces of bounded work); without, it never yields (`run_through`)."""
+        with a `pace`, it runs in query chunks of the pace's size and yields None between them
+        (a long forward's attention as pieces of bounded work); without, it never yields
+        (`run_through`)."""
         k, v, bias = self._keys(k, v, mask, cache, layer)
         aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
-        if not pause and bias is None and mask.visible is None and aligned:
+        if pace is None and bias is None and mask.visible is None and aligned:
             out = F.scaled_dot_product_attention(  # SDPA's own kernels, no mask
                 q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
             )
             return self._output(out)
         outs = []
-        for chunk in self._query_chunks(q, k):
-            if outs and pause:
+        if flash_continuation.applies(q, mask):  # a causal continuation of a cache, on a CPU
+            kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
+            for start, stop in self._query_chunks(q, k, pace, None):
+                if outs:
+                    yield None
+                outs.append(flash_continuation.attend_rows(q, kh, vh, bh, self.scale, start, stop))
+            return self._output(torch.cat(outs, dim=2))
+        for chunk in self._query_chunks(q, k, pace, ATTENTION_CHUNK_ELEMENTS):
+            if outs and pace is not None:
                 yield None
             outs.append(self._sdpa_rows(q, k, v, mask, bias, *chunk))
         return self._output(torch.cat(outs, dim=2))
@@ -147,14 +178,22 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d))
 
     @staticmethod
-    def _query_chunks(q: Tensor, k: Tensor) -> list[tuple[int, int]]:
-        """Query rows [start, stop) whose [B, H, rows, K] mask and scores stay under
-        ATTENTION_CHUNK_ELEMENTS: an explicit mask (a per-key bias on compacted slots, or a
-        visibility mask) would otherwise make SDPA build a float mask and a score matrix over
-        all of [B, H, Q, K], gigabytes for a long sequence over a long cache."""
+    def _query_chunks(
+        q: Tensor, k: Tensor, pace: Pace | None, limit: int | None
+    ) -> Iterator[tuple[int, int]]:
+        """Query rows [start, stop) whose [B, H, rows, K] query-key pairs stay under `limit`
+        (ATTENTION_CHUNK_ELEMENTS: an explicit mask, a per-key bias on compacted slots or a
+        visibility mask, would otherwise make SDPA build a float mask and a score matrix over
+        all of [B, H, Q, K], gigabytes for a long sequence over a long cache) and the pace's
+        piece size, asked anew before each chunk (the caller yields between them)."""
         batch, h, q_len, _ = q.shape
-        rows = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * h * k.shape[2]))
-        return [(start, min(q_len, start + rows)) for start in range(0, q_len, rows)]
+        pairs = max(1, batch * h * k.shape[2])
+        start = 0
+        while start < q_len:
+            elements = min(limit or 1 << 62, pace.attention_elements() if pace else 1 << 62)
+            stop = min(q_len, start + max(1, elements // pairs))
+            yield start, stop
+            start = stop
 
     def _sdpa_rows(
         self,
@@ -175,6 +214,11 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q[:, :, start:stop], k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=self._gqa
         )
+
+
+def _tokens(table: Tensor, rows: slice) -> Tensor:
+    """cos/sin [Q, 1, D] or [B, Q, 1, D] -> the rows' [.., q, 1, D]."""
+    return table[..., rows, :, :]
 
 
 class MLP(nn.Module):
@@ -207,20 +251,33 @@ class Block(nn.Module):
         return self._after_attention(h, residual)
 
     def stages(
-        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer
+        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, pace: Pace
     ) -> Generator[Tensor | None, None, tuple[Tensor, Tensor]]:
         """forward() in pieces: yields the post-RoPE queries [B, H, Q, D] before attending
         (the caller may change this layer's cache slots meanwhile), then None between the
-        query chunks of its attention and the token chunks of its MLP, then finishes."""
+        query chunks of its attention and the token chunks of its MLP (`pace`'s sizes), then
+        finishes."""
         h, residual = self._attention_input(x, residual)
-        q, k, v = self.attn.project(h, cos, sin)
+        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        start = 0
+        while start < h.shape[1]:  # the projections too, per token chunk: exact
+            if parts:
+                yield None
+            stop = start + pace.mlp_tokens()
+            rows = slice(start, min(stop, h.shape[1]))
+            parts.append(self.attn.project(h[:, rows], _tokens(cos, rows), _tokens(sin, rows)))
+            start = stop
+        q, k, v = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
         yield q
-        h = yield from self.attn.attend(q, k, v, mask, cache, layer, pause=True)
+        h = yield from self.attn.attend(q, k, v, mask, cache, layer, pace)
         h, residual = self.mlp_norm.add_forward(h, residual)
         outs = []
-        for start in range(0, h.shape[1], STAGE_MLP_TOKENS):  # per token: any split is exact
+        start = 0
+        while start < h.shape[1]:  # per token: any split is exact
             yield None
-            outs.append(self.mlp(h[:, start : start + STAGE_MLP_TOKENS]))
+            stop = start + pace.mlp_tokens()
+            outs.append(self.mlp(h[:, start:stop]))
+            start = stop
         return torch.cat(outs, dim=1), residual
 
     def _attention_input(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:

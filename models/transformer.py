@@ -17,7 +17,7 @@ from models import kernels
 from models.attention import AttentionMask, AttentionPattern, build_mask
 from models.config import ModelConfig
 from models.kv_cache import KVCache
-from models.layers import Block, Linear, RMSNorm
+from models.layers import Block, Linear, Pace, RMSNorm
 from models.rope import RotaryTable, inverse_frequencies
 
 # Up to this many prompt tokens per step are prefilled inside the fused CPU step (`extend`);
@@ -81,6 +81,13 @@ class Transformer(nn.Module):
             table = self._rotary = RotaryTable(self._inv_freq, size, self.device, self.dtype)
         table.ensure(capacity)
         return table
+
+    def rope_fp32(self, start: int, length: int) -> tuple[Tensor, Tensor]:
+        """fp32 cos/sin [length, D] on the CPU of positions [start, start + length), whatever
+        the model's dtype and device (for fits that rotate queries themselves)."""
+        cpu = torch.device("cpu")
+        table = RotaryTable(self._inv_freq.cpu(), start + length, cpu, torch.float32)
+        return table.cos[start:], table.sin[start:]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -191,18 +198,20 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         commit: bool | int | Sequence[int] = True,
         rows: tuple[int, int] | None = None,
+        pace: Pace | None = None,
     ) -> Generator[Tensor | None, None, Tensor]:
         """forward() in bounded pieces, always on the PyTorch path: yields each layer's
         post-RoPE queries [B, H, Q, D] before that layer attends, None between the query
-        chunks of its attention (`ATTENTION_CHUNK_ELEMENTS`) and the token chunks of its MLP
-        (`STAGE_MLP_TOKENS`), and returns the final hidden states. Each resumption runs one
-        such chunk (the last one of a layer also the next layer's projections), so the caller
-        can spread a long forward over short pieces of work, and may change a layer's cache
-        slots between its queries and its attention (on-policy compaction). `rows` as in
-        forward()."""
+        chunks of its attention and the token chunks of its MLP (sized by `pace`, by default
+        always small: `models.layers.Pace`), and returns the final hidden states. Each
+        resumption runs one such chunk (the last one of a layer also the next layer's
+        projections), so the caller can spread a long forward over short pieces of work, and
+        may change a layer's cache slots between its queries and its attention (on-policy
+        compaction). `rows` as in forward()."""
+        pace = pace or Pace()
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
-            out = yield from self.forward_stages(input_ids, cache=view, commit=commit)
+            out = yield from self.forward_stages(input_ids, cache=view, commit=commit, pace=pace)
             cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
@@ -213,7 +222,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):
-            x, residual = yield from block.stages(x, residual, cos, sin, mask, cache, i)
+            x, residual = yield from block.stages(x, residual, cos, sin, mask, cache, i, pace)
         return self._finish(x, residual, cache, commit, q_len, batch, None)
 
     def _mask(

@@ -77,7 +77,7 @@ class ServerState:
     sessions: SessionStore
     metrics: Metrics = field(default_factory=Metrics)
     # The cores, split among the threads with work (engine threads, the compaction thread).
-    cores: CoreShare = field(default_factory=CoreShare)
+    cores: CoreShare = field(default_factory=CoreShare.shared)
     compactions: Compactions = field(init=False)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)

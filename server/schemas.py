@@ -193,5 +193,6 @@ class CompactRequest(BaseModel):
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
     method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]
-    query_source: Literal[QUERY_SOURCES] = "repeat"  # type: ignore[valid-type]
+    # None: the method's own (engine.kv_compaction.DEFAULT_QUERY_SOURCE).
+    query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)

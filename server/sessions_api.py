@@ -320,9 +320,9 @@ class Compactions:
                 self._count -= 1
 
     async def run(self, fn, *args: Any, on_engine: OnEngine, **kwargs: Any) -> Any:
-        """`fn(*args, on_engine=..., **kwargs)` on the compaction thread. It counts as busy in
-        the core share while it fits, and as idle while a piece of its model work runs on the
-        engine thread (`on_engine`)."""
+        """`fn(*args, on_engine=..., on_fit=..., **kwargs)` on the compaction thread. It counts
+        as busy in the core share while it fits (each fit through the share, `on_fit`), and as
+        idle while a piece of its model work runs on the engine thread (`on_engine`)."""
 
         def piece(work: Callable[[], T]) -> T:
             self.cores.leave()
@@ -333,7 +333,7 @@ class Compactions:
 
         def job() -> Any:
             with self.cores.working():
-                return fn(*args, on_engine=piece, **kwargs)
+                return fn(*args, on_engine=piece, on_fit=self.cores.run, **kwargs)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
@@ -407,7 +407,11 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
                 async with locked(store, session, wait):
                     if ids:
                         cache = await asyncio.to_thread(
-                            model_work.prefill, served.model, ids, served.thread.run
+                            model_work.prefill,
+                            served.model,
+                            ids,
+                            served.thread.run,
+                            served.thread.has_requests,
                         )
                         session.rewrite(cache, ids)
                     await persist(store, session)
@@ -504,6 +508,7 @@ async def _compact(
                 req.keep_recent,
                 on_engine=served.thread.run,
                 omp_budget=state.settings.compaction_omp_budget,
+                urgent=served.thread.has_requests,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None

@@ -197,8 +197,9 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
     mask or score matrix over all [B, H, Q, K] at once, and computes the same thing."""
     import torch.nn.functional as F
 
-    from models import layers
+    from models import flash_continuation, layers
 
+    monkeypatch.setattr(flash_continuation, "_FLASH", None)  # the masked path (GPUs, etc.)
     _, model = llama_pair
     ids = _ids(40)
     cache = model.new_cache(1, 128)
@@ -226,6 +227,52 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path(
+    llama_pair, monkeypatch, biased, dtype
+):
+    """New tokens after a cache (causal among themselves, every cached slot visible, with its
+    bias) attend through the CPU flash kernel in parts merged by log-sum-exp: the same result
+    as the masked SDPA path, whole or in paused query chunks, and no [Q, K] mask is built."""
+    from models import flash_continuation, layers
+
+    _, model = llama_pair
+    model = model.to(dtype)
+    ids = _ids(40)
+    with torch.no_grad():
+        cache = model.new_cache(1, 128)
+        model(ids[:, :30], cache=cache)
+        if biased:
+            cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
+            for bias in cache.biases:
+                bias[0, :, :30] = torch.linspace(-2, 1, 30)
+        masks: list[int] = []
+        real = flash_continuation._FLASH
+
+        def spy(q, k, v, *args, attn_mask=None, **kw):
+            masks.append(0 if attn_mask is None else attn_mask.numel())
+            return real(q, k, v, *args, attn_mask=attn_mask, **kw)
+
+        monkeypatch.setattr(flash_continuation, "_FLASH", spy)
+        flash = model(ids[:, 30:], cache=cache, commit=False)
+        monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 3 * 4 * 40)  # 3 rows a piece
+        stages = model.forward_stages(ids[:, 30:], cache=cache, commit=False)
+        try:
+            while True:
+                next(stages)
+        except StopIteration as done:
+            staged = done.value
+        calls = len(masks)
+        monkeypatch.setattr(flash_continuation, "_FLASH", None)
+        masked = model(ids[:, 30:], cache=cache, commit=False)
+    model.to(torch.float32)
+    assert calls >= 2 * len(model.layers) and max(masks) <= 4 * 30  # a bias row per head
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(flash, masked, atol=tol, rtol=tol)
+    torch.testing.assert_close(staged, masked, atol=tol, rtol=tol)
+
+
 def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypatch):
     from models import layers
 
@@ -235,7 +282,7 @@ def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypa
         cache = model.new_cache(1, 128)
         model(ids[:, :25], cache=cache)
         whole = model(ids[:, 25:], cache=cache, commit=False)
-        monkeypatch.setattr(layers, "ATTENTION_CHUNK_ELEMENTS", 4 * 40)  # 1 row x 4 heads
+        monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 40)  # 1 row x 4 heads
         monkeypatch.setattr(layers, "STAGE_MLP_TOKENS", 4)
         stages = model.forward_stages(ids[:, 25:], cache=cache, commit=False)
         items = []

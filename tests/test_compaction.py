@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -23,7 +25,14 @@ def _head(total: int = 200, n: int = 300, dim: int = 32, seed: int = 0) -> HeadI
     keys = torch.randn(total, dim, generator=gen)
     hot = keys[torch.randint(0, 8, (n,), generator=gen)]
     queries = 0.7 * torch.randn(n, dim, generator=gen) + 1.5 * hot
-    return HeadInputs(keys, torch.randn(total, dim, generator=gen), queries, dim**-0.5)
+    h = HeadInputs(keys, torch.randn(total, dim, generator=gen), queries, dim**-0.5)
+    # The prefill-time baselines read the queries as one head's, after every key.
+    h.head_queries = queries[None]
+    h.query_positions = torch.arange(total, total + n)
+    h.key_positions = torch.arange(total)
+    centred = queries - queries.mean(0)
+    h.future = (queries.mean(0)[None], (centred.T @ centred / n)[None])
+    return h
 
 
 def test_keeping_every_key_reproduces_output_and_mass():
@@ -288,3 +297,22 @@ def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
     from engine.attention_matching import highest_attention
 
     assert torch.equal(index, highest_attention(h, 16))
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "expected_attention", "streaming"])
+def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
+    from engine.kv_compaction import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    cache = model.new_cache(1, 256)
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=cache)
+    report = compact_row(model, tok, cache, 0, ids, target=20, method=method, keep_recent=8)
+    assert report.query_source == "context"
+    assert cache.lengths == [28] and cache.logical == [100]
+    assert report.reference_queries == len(ids)
+    assert math.isfinite(report.output_error)
+    if method != "streaming":
+        with pytest.raises(ValueError, match="query_source must be 'context'"):
+            compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -129,49 +130,97 @@ def _until(condition, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_busy_engine_threads_split_the_cores_and_an_idle_one_gives_its_share_back():
+class WhereEngine(TimedEngine):
+    """A TimedEngine that also records which thread ran each step."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.where: list[str] = []
+
+    def step(self) -> list[Out]:
+        self.where.append(threading.current_thread().name)
+        return super().step()
+
+
+def _teams(*engines: WhereEngine) -> set[str]:
+    """The threads that ran a step on more than one intra-op thread."""
+    return {w for e in engines for w, n in zip(e.where, e.threads, strict=False) if n > 1}
+
+
+def test_one_busy_engine_gets_every_core_and_two_split_them_on_two_cores():
+    """Alone, an engine's steps run on the share's wide thread on every core; with two busy on
+    two cores each runs on its own thread on one core; once the other is idle, every core
+    again. Only the wide thread ever runs a team of more than one thread (see
+    engine/core_share.py: a second team owner slows every parallel region)."""
     before = torch.get_num_threads()
-    cores = CoreShare(4)
-    a_engine, b_engine = TimedEngine(0.002), TimedEngine(0.002)
+    cores = CoreShare(2)
+    a_engine, b_engine = WhereEngine(0.002), WhereEngine(0.002)
     a = EngineThread("a", a_engine, cores=cores)
     b = EngineThread("b", b_engine, cores=cores)
     try:
         a.run(lambda: a_engine.add(["a", 10**12]))
         _until(lambda: len(a_engine.threads) > 3)
-        assert a_engine.threads[-1] == 4  # alone: every core
+        assert (a_engine.threads[-1], a_engine.where[-1]) == (2, "cores-wide")  # alone
         b.run(lambda: b_engine.add(["b", 10**12]))
-        assert b.run(torch.get_num_threads) == 2  # both busy: half each
         steps = len(a_engine.threads)
-        _until(lambda: len(a_engine.threads) > steps + 3)
-        assert a_engine.threads[-1] == 2 and b_engine.threads[-1] == 2
-        b.run(b_engine.running.clear)  # b is idle again: a gets its cores back
+        _until(lambda: len(a_engine.threads) > steps + 3 and len(b_engine.threads) > 3)
+        assert (a_engine.threads[-1], a_engine.where[-1]) == (1, "batch-a")  # both busy
+        assert (b_engine.threads[-1], b_engine.where[-1]) == (1, "batch-b")
+        b.run(b_engine.running.clear)  # b is idle again: a gets every core back
         _until(lambda: cores.busy == 1)
         steps = len(a_engine.threads)
         _until(lambda: len(a_engine.threads) > steps + 3)
-        assert a_engine.threads[-1] == 4
+        assert (a_engine.threads[-1], a_engine.where[-1]) == (2, "cores-wide")
         a.run(a_engine.running.clear)
         _until(lambda: cores.busy == 0)
     finally:
         a.shutdown(timeout=10)
         b.shutdown(timeout=10)
-    assert torch.get_num_threads() == before  # set per thread: the caller's is untouched
+    assert _teams(a_engine, b_engine) == {"cores-wide"}
+    assert torch.get_num_threads() == 1  # a share makes one thread the default elsewhere
+    torch.set_num_threads(before)
+
+
+def test_with_two_cores_or_more_each_busy_engines_take_turns_on_the_wide_thread():
+    cores = CoreShare(4)
+    a_engine, b_engine = WhereEngine(0.002), WhereEngine(0.002)
+    a = EngineThread("a", a_engine, cores=cores)
+    b = EngineThread("b", b_engine, cores=cores)
+    before = torch.get_num_threads()
+    try:
+        a.run(lambda: a_engine.add(["a", 10**12]))
+        b.run(lambda: b_engine.add(["b", 10**12]))
+        _until(lambda: cores.busy == 2)
+        steps = len(a_engine.spans), len(b_engine.spans)
+        _until(lambda: len(a_engine.spans) > steps[0] + 5 and len(b_engine.spans) > steps[1] + 5)
+        a.run(a_engine.running.clear)
+        b.run(b_engine.running.clear)
+    finally:
+        a.shutdown(timeout=10)
+        b.shutdown(timeout=10)
+    both = [s for e in (a_engine, b_engine) for s in e.spans[steps[0 if e is a_engine else 1] :]]
+    assert a_engine.where[-1] == b_engine.where[-1] == "cores-wide"
+    assert a_engine.threads[-1] == b_engine.threads[-1] == 4
+    # One piece at a time on the wide thread: no two steps overlap.
+    both.sort()
+    assert all(x[1] <= y[0] for x, y in itertools.pairwise(both))
+    torch.set_num_threads(before)
 
 
 def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
     from server.sessions_api import Compactions
 
     cores = CoreShare(2)
-    engine = TimedEngine(0.05)
+    engine = WhereEngine(0.05)
     thread = EngineThread("e", engine, cores=cores)
     compactions = Compactions(cores)
-    seen: dict[str, int] = {}
+    seen: dict[str, object] = {}
 
-    def fit(on_engine) -> None:
-        seen["alone"] = torch.get_num_threads()
+    def fit(on_engine, on_fit) -> None:
+        seen["alone"] = on_fit(lambda: (torch.get_num_threads(), threading.current_thread().name))
         thread.run(lambda: engine.add(["decoding", 10**12]))
         _until(lambda: len(engine.threads) > 0)  # the engine is decoding, beside this fit
-        seen["beside a step"] = cores.enter()
-        seen["threads"] = torch.get_num_threads()
+        seen["beside a step"] = on_fit(torch.get_num_threads)
         # While its model work runs on the engine thread, the fit does not count.
         seen["busy during a piece"] = on_engine(lambda: cores.busy)
         thread.run(engine.running.clear)
@@ -181,5 +230,5 @@ def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
     finally:
         compactions.shutdown()
         thread.shutdown(timeout=10)
-    assert seen == {"alone": 2, "beside a step": 1, "threads": 1, "busy during a piece": 1}
+    assert seen == {"alone": (2, "cores-wide"), "beside a step": 1, "busy during a piece": 1}
     assert 1 in engine.threads  # the engine's steps beside the fit ran on one core too
