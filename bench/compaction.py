@@ -3,7 +3,8 @@
     python -m bench.compaction [--contexts 5] [--ratios 5 10 20 50] [--json out.json]
     python -m bench.compaction --timing [--timing-lengths 1024 2048 4096 8192] [--json out.json]
 
-Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` for another text) with
+Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` or `--text python-reference`
+for another text) with
 >= 20 synthetic facts inserted at spread depths ("The code name of the blue box is
 Orchid-417."): the far-dependence probe. The context is prefilled once; every method compacts a
 copy of that cache to the same physical size t = T / ratio (a recent window of `--keep-recent`
@@ -311,7 +312,11 @@ def _print_timing(rows: list[dict], args: argparse.Namespace, methods: list[str]
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_AR_MODEL)
-    p.add_argument("--text", type=Path, help="a text file instead of Jane Austen")
+    p.add_argument(
+        "--text",
+        help="a text file instead of Jane Austen, or 'python-reference': the Python language "
+        "reference every Python install carries (pydoc_data.topics, ~65K words)",
+    )
     p.add_argument("--contexts", type=int, default=5)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 3072, 4096, 5120, 6144])
     p.add_argument("--facts", type=int, default=20)
@@ -357,18 +362,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from transformers import AutoTokenizer
 
-    from train import austen
-
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
     if args.timing:
         return run_timing(model, tok, args)
-    text = (
-        args.text.read_text()
-        if args.text
-        else " ".join(austen.load(n) for n in austen.NOVELS).replace("\n", " ")
-    )
+    text = _text(args.text)
     rng = random.Random(args.seed)
     rows: list[dict] = []
     for c in range(args.contexts):
@@ -448,6 +447,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         save_json(args.json, {"rows": rows, "summary": summary})
     return rows
+
+
+def _text(name: str | None) -> str:
+    """The long text contexts are cut from, as one line."""
+    if name is None:
+        from train import austen
+
+        return " ".join(austen.load(n) for n in austen.NOVELS).replace("\n", " ")
+    if name == "python-reference":
+        import pydoc_data.topics
+
+        return " ".join(pydoc_data.topics.topics.values()).replace("\n", " ")
+    return Path(name).read_text().replace("\n", " ")
 
 
 def save_json(path: Path, obj: dict) -> None:
