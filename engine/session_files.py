@@ -79,6 +79,8 @@ class Version:
     # A random id of this commit: two replicas that each committed generation N of one session
     # (one of them never got it into the shared tier) are told apart by it.
     commit: str = ""
+    # The session's online compaction policy (`engine.auto_compaction.AutoCompact`), if any.
+    auto_compact: dict[str, Any] | None = None
 
     @property
     def disk_bytes(self) -> int:
@@ -102,6 +104,7 @@ class Version:
             generation=int(obj["generation"]),
             segments=segments,
             commit=str(obj.get("commit", "")),
+            auto_compact=obj.get("auto_compact"),
         )
 
 
@@ -186,6 +189,7 @@ def write_version(
         generation=generation,
         segments=segments,
         commit=uuid.uuid4().hex,
+        auto_compact=version.auto_compact,
     )
     _write_json(committed.to_json(), folder / META)
     fsync_dir(folder)

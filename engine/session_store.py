@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from engine import session_files
+from engine.auto_compaction import AutoCompact
 from engine.session_files import CorruptSession, Version
 from engine.session_mirror import SessionMirror, stamp
 from models.kv_cache import KVCache
@@ -76,6 +77,8 @@ class Session:
     cache: KVCache | None  # None while it lives on disk only (or has no tokens yet)
     next_input: int | None = None  # last sampled token, not yet in the cache
     compactions: list[dict[str, Any]] = field(default_factory=list)
+    auto_compact: AutoCompact | None = None  # compacts itself past a size (auto_compaction)
+    auto_pending: bool = False  # an online compaction is due and not yet done
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Serializes writes of this session: a write whose request was cancelled may still be
@@ -129,6 +132,8 @@ class Session:
             "disk_bytes": 0 if self.version is None else self.version.disk_bytes,
             "in_memory": cache is not None,
             "compactions": self.compactions,
+            "auto_compact": None if self.auto_compact is None else self.auto_compact.to_json(),
+            "auto_compact_pending": self.auto_pending,
         }
 
 
@@ -387,6 +392,7 @@ class SessionStore:
             logical=0,
             generation=0 if old is None else old.generation,
             segments=[] if old is None else old.segments,
+            auto_compact=None if session.auto_compact is None else session.auto_compact.to_json(),
         )
         committed = session_files.write_version(
             self.folder(session.id), draft, session.cache, session.disk_slots
@@ -419,6 +425,7 @@ def _take_version(session: Session, version: Version) -> None:
     session.cache = None  # read from the version's files when next used
     session.next_input = version.next_input
     session.compactions = list(version.compactions)
+    session.auto_compact = AutoCompact.from_json(version.auto_compact)
     session.created = version.created
     session.version = version
     session.disk_slots = version.length

@@ -21,6 +21,7 @@ from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
 from server import chat, completions, planning, sessions_api, streaming
+from server.compactions import Compactions
 from server.errors import APIError, error_body, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
 from server.request_context import RequestContext, session_from_header
@@ -32,7 +33,6 @@ from server.schemas import (
     ErrorResponse,
     ModelList,
 )
-from server.sessions_api import Compactions
 
 log = logging.getLogger(__name__)
 

@@ -177,11 +177,25 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AutoCompactSpec(BaseModel):
+    """A session's online compaction (`engine.auto_compaction.AutoCompact`): whenever an
+    append takes its cache past `max_tokens` physical slots, the slots before the last
+    `keep_recent` are compacted `ratio`x with `method`, between requests."""
+
+    model_config = STRICT
+    max_tokens: int = Field(ge=16)
+    ratio: float = Field(ge=1.5)
+    method: Literal[METHODS] = "am-highest-fast"  # type: ignore[valid-type]
+    keep_recent: int = Field(0, ge=0)
+    query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
+
+
 class SessionCreateRequest(BaseModel):
     model_config = STRICT
     model: str
     id: str | None = session_id_field()
     prompt: str | list[int] | None = None
+    auto_compact: AutoCompactSpec | None = None
 
 
 class CompactRequest(BaseModel):

@@ -69,6 +69,21 @@ def running_server(
             yield base
 
 
+def tiny_session_server(model_dir: Path, sessions_dir: Path, *extra: str):
+    """A server of the tiny model `tiny` (fp32, CPU) keeping its sessions in `sessions_dir`."""
+    return running_server(
+        "--model",
+        f"tiny={model_dir}",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--sessions-dir",
+        str(sessions_dir),
+        *extra,
+    )
+
+
 @contextmanager
 def server_process(
     args: tuple[str, ...], env: dict[str, str] | None = None, timeout: float = 300

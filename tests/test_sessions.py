@@ -9,23 +9,9 @@ import json
 import httpx
 import pytest
 
-from conftest import running_server
+from conftest import tiny_session_server
 
 CONTEXT = "The code name of the blue box is Orchid-417. " * 3
-
-
-def _server(model_dir, sessions_dir, *extra: str):
-    return running_server(
-        "--model",
-        f"tiny={model_dir}",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--sessions-dir",
-        str(sessions_dir),
-        *extra,
-    )
 
 
 def _complete(base: str, **body) -> httpx.Response:
@@ -43,7 +29,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir, store):
-    with _server(tiny_llama_dir, store, "--session-lock-wait", "0.05") as url:
+    with tiny_session_server(tiny_llama_dir, store, "--session-lock-wait", "0.05") as url:
         yield url
 
 
@@ -69,7 +55,7 @@ def test_session_continues_exactly_like_the_whole_prompt(base):
 
 
 def test_compaction_and_restart(tiny_llama_dir, tmp_path):
-    with _server(tiny_llama_dir, tmp_path) as url:
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
         httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "doc", "prompt": CONTEXT})
         r = httpx.post(
             f"{url}/v1/sessions/doc/compact",
@@ -89,7 +75,7 @@ def test_compaction_and_restart(tiny_llama_dir, tmp_path):
         metrics = httpx.get(f"{url}/metrics").text
         assert 'cdlm_serve:compaction_seconds_count{method="am-highest"} 1.0' in metrics
         assert "cdlm_serve:sessions 1.0" in metrics
-    with _server(tiny_llama_dir, tmp_path) as url:  # a new process over the same store
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:  # a new process over the same store
         info2 = httpx.get(f"{url}/v1/sessions/doc").json()
         assert info2["logical_length"] == info["logical_length"]
         assert info2["compactions"] == info["compactions"]

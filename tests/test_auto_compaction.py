@@ -1,0 +1,133 @@
+"""Online compaction (engine/auto_compaction.py): a session created with a policy compacts
+itself exactly when an append takes it past the policy's size, between requests, and answers
+afterwards. Real server, tiny model."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+import pytest
+
+from conftest import tiny_session_server
+from engine.auto_compaction import AutoCompact
+
+POLICY = {"max_tokens": 160, "ratio": 4, "method": "am-highest-fast", "keep_recent": 16}
+TEXT = "The code name of the blue box is Orchid-417. "  # 45 bytes: 45 tokens
+
+
+def _settled(base: str, sid: str) -> dict:
+    """The session once no online compaction of it is pending."""
+    deadline = time.monotonic() + 120
+    while True:
+        info = httpx.get(f"{base}/v1/sessions/{sid}").json()
+        if not info["auto_compact_pending"]:
+            return info
+        assert time.monotonic() < deadline, "the online compaction never finished"
+        time.sleep(0.05)
+
+
+def _append(base: str, sid: str, prompt: str) -> dict:
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={
+            "model": "tiny",
+            "session_id": sid,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, tmp_path):
+    policy = AutoCompact(**POLICY)
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        r = httpx.post(
+            f"{url}/v1/sessions",
+            json={"model": "tiny", "id": "grow", "prompt": TEXT * 2, "auto_compact": POLICY},
+        )
+        assert r.status_code == 201, r.text
+        info = _settled(url, "grow")
+        assert info["physical_tokens"] == 90 and info["compactions"] == []
+        assert info["auto_compact"] == POLICY | {"query_source": None}
+        seen = 0  # compactions so far
+        for step in range(6):  # (the logical length must stay within the context: 512)
+            before = info["physical_tokens"]
+            out = _append(url, "grow", TEXT)
+            assert out["usage"]["completion_tokens"] == 8
+            info = _settled(url, "grow")
+            grown = len(info["compactions"]) > seen
+            if grown:  # one compaction, of the size the append produced, as the policy says
+                report = info["compactions"][-1]
+                assert len(info["compactions"]) == seen + 1 and report["auto"] is True
+                assert report["tokens_before"] > POLICY["max_tokens"] >= before
+                target = policy.target(report["tokens_before"])
+                assert report["tokens_after"] == target + POLICY["keep_recent"]
+                assert info["physical_tokens"] == report["tokens_after"]
+                seen += 1
+            else:  # no compaction: the append left it within the policy
+                assert info["physical_tokens"] <= POLICY["max_tokens"], step
+            assert info["logical_length"] == info["tokens"] - 1  # the last token not yet run
+        assert seen >= 2  # it grew past the bound, was brought back, and grew past it again
+        assert info["logical_length"] > 2 * POLICY["max_tokens"]
+        # It answers afterwards, from its compacted cache.
+        answer = _append(url, "grow", "\nQ: What is the code name of the blue box?\nA:")
+        assert answer["usage"]["completion_tokens"] == 8
+        seen = len(_settled(url, "grow")["compactions"])  # that append may have compacted too
+    # The policy is part of the session: it survives a restart.
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        again = httpx.get(f"{url}/v1/sessions/grow").json()
+        assert again["auto_compact"] == POLICY | {"query_source": None}
+        assert len(again["compactions"]) == seen
+
+
+def test_a_session_without_a_policy_never_compacts_itself(tiny_llama_dir, tmp_path):
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "plain", "prompt": TEXT})
+        for _ in range(5):
+            _append(url, "plain", TEXT)
+        info = httpx.get(f"{url}/v1/sessions/plain").json()
+        assert info["compactions"] == [] and info["auto_compact"] is None
+        assert info["physical_tokens"] > POLICY["max_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [
+        ({"max_tokens": 160, "ratio": 4, "keep_recent": 100}, "keep_recent"),  # > max / 2
+        ({"max_tokens": 10**6, "ratio": 4}, "context"),  # past the model's context
+        ({"max_tokens": 160, "ratio": 1.2}, "ratio"),
+        ({"max_tokens": 160, "ratio": 4, "method": "magic"}, "method"),
+        ({"ratio": 4}, "max_tokens"),
+    ],
+)
+def test_bad_policies_are_refused_with_the_param(tiny_server_sessions, policy, says):
+    r = httpx.post(
+        f"{tiny_server_sessions}/v1/sessions",
+        json={"model": "tiny", "prompt": TEXT, "auto_compact": policy},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "auto_compact" and says in error["message"]
+    assert httpx.get(f"{tiny_server_sessions}/v1/sessions").json()["data"] == []
+
+
+@pytest.fixture(scope="module")
+def tiny_server_sessions(tiny_llama_dir, tmp_path_factory):
+    with tiny_session_server(tiny_llama_dir, tmp_path_factory.mktemp("sessions")) as url:
+        yield url
+
+
+def test_policy_targets_match_a_requested_compaction():
+    policy = AutoCompact(max_tokens=160, ratio=4, keep_recent=16)
+    assert not policy.due(160) and policy.due(161)
+    assert policy.target(200) == math.ceil(184 / 4)
+    assert AutoCompact(max_tokens=16, ratio=1.5).target(17) == 12
+    with pytest.raises(ValueError, match="keep_recent"):
+        AutoCompact(max_tokens=160, ratio=4, keep_recent=81)
