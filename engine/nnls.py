@@ -43,14 +43,22 @@ class GrowingNNLS:
 
     Refitting from scratch (QR of the n x s column block, then SciPy's NNLS) at every refit made
     OMP cost ~2 s per head at t = 400. Here the columns' Gram matrix G = A^T A and A^T m grow by
-    the new keys' rows only, and each refit is an active-set NNLS on G (`gram_nnls`) started
-    from the previous refit's positive set, which usually needs a few small solves."""
+    the new keys' rows only, and so does its Cholesky factor (one triangular solve per added
+    block). A refit first takes the unconstrained least-squares weights from that factor (two
+    triangular solves): where they are all positive they are the NNLS solution too (the
+    constraints are inactive), which for positive exp-score columns and a positive mass is the
+    common case; otherwise, or once the factor has broken down on nearly collinear columns, it
+    is an active-set NNLS on G (`gram_nnls`) started from the previous refit's positive set.
+    Measured (one head, T = 4,000 keys, 2,048 queries, t = 400): am-omp-fast 0.70 -> 0.39 s per
+    head, am-omp 1.92 -> 1.07 s (OMP's picks can differ where the two fits differ in the last
+    digits: the chosen keys' final mass error was equal at the median over 12 random heads)."""
 
     def __init__(self, e: Tensor, m: Tensor, t: int):
         self.e, self.m = e, m.double()  # [n, T], [n]
         self.cols = torch.empty(e.shape[0], t, dtype=torch.float64)  # [n, t] chosen columns
         self.gram = torch.empty(t, t, dtype=torch.float64)
         self.rhs = torch.empty(t, dtype=torch.float64)
+        self.chol: Tensor | None = torch.zeros(t, t, dtype=torch.float64)  # lower, of gram
         self.chosen: list[int] = []
         self.w = torch.zeros(0, dtype=torch.float64)
 
@@ -63,13 +71,38 @@ class GrowingNNLS:
         self.gram[:s1, s0:s1] = block.T
         self.rhs[s0:s1] = new.T @ self.m
         self.chosen += keys
+        self._grow_factor(s0, s1)
+
+    def _grow_factor(self, s0: int, s1: int) -> None:
+        """Extend the Cholesky factor by the rows of columns [s0, s1): [L11 0; X^T L22] with
+        L11 X = G12 and L22 L22^T = G22 - X^T X; dropped (None) if that is not positive
+        definite enough to trust."""
+        if self.chol is None:
+            return
+        g12, g22 = self.gram[:s0, s0:s1], self.gram[s0:s1, s0:s1]
+        x = torch.linalg.solve_triangular(self.chol[:s0, :s0], g12, upper=False)  # [s0, k]
+        l22, info = torch.linalg.cholesky_ex(g22 - x.T @ x)
+        diag = l22.diagonal()
+        scale = float(self.gram.diagonal()[:s1].max())
+        if int(info) != 0 or float(diag.min()) ** 2 <= 1e-12 * scale:
+            self.chol = None  # nearly collinear columns: the active-set path from here on
+            return
+        self.chol[s0:s1, :s0] = x.T
+        self.chol[s0:s1, s0:s1] = l22
 
     def residual(self) -> Tensor:
         """Refit, then m - A w, [n] fp32."""
         s = len(self.chosen)
-        start = torch.cat([self.w, torch.zeros(s - len(self.w), dtype=torch.float64)])
-        self.w = gram_nnls(self.gram[:s, :s], self.rhs[:s], start)
+        self.w = self._refit(s)
         return (self.m - self.cols[:, :s] @ self.w).float()
+
+    def _refit(self, s: int) -> Tensor:
+        if self.chol is not None:
+            w = torch.cholesky_solve(self.rhs[:s, None], self.chol[:s, :s])[:, 0]
+            if bool((w > 0).all()):
+                return w
+        start = torch.cat([self.w, torch.zeros(s - len(self.w), dtype=torch.float64)])
+        return gram_nnls(self.gram[:s, :s], self.rhs[:s], start)
 
 
 def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:

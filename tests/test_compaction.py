@@ -316,3 +316,32 @@ def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
     if method != "streaming":
         with pytest.raises(ValueError, match="query_source must be 'context'"):
             compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)
+
+
+def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
+    """OMP's refits (a Cholesky factor grown with the columns, the active-set NNLS where the
+    least-squares weights are not all positive) give SciPy's NNLS optimum on each prefix of
+    the chosen columns; where the optimum is interior, straight from the grown factor."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from engine.nnls import GrowingNNLS
+
+    gen = torch.Generator().manual_seed(0)
+    e = torch.exp(torch.randn(80, 40, generator=gen))  # exp-score-like columns
+    weights = 1 + torch.rand(30, generator=gen)
+    for m in (e[:, :30] @ weights, e[:, :5].sum(1) - 0.5 * e[:, 5:10].sum(1)):
+        fit = GrowingNNLS(e, m, 30)
+        for start in range(0, 30, 3):
+            fit.add(list(range(start, start + 3)))
+            residual = fit.residual()
+            a = e[:, : start + 3].double().numpy()
+            w, _ = nnls(a, m.double().numpy())
+            want = m.double().numpy() - a @ w
+            assert np.allclose(residual.numpy(), want, atol=1e-4 * float(m.abs().max()))
+    # The first target is a positive mix of all 30: its last refit is interior.
+    fit = GrowingNNLS(e, e[:, :30] @ weights, 30)
+    fit.add(list(range(30)))
+    fit.residual()
+    assert fit.chol is not None
+    torch.testing.assert_close(fit.w, weights.double(), atol=1e-6, rtol=1e-6)
