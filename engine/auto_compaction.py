@@ -31,6 +31,7 @@ class AutoCompact:
     method: str = "am-highest-fast"
     keep_recent: int = 0  # the newest slots, kept exact
     query_source: str | None = None  # None: the method's own
+    quantize: str | None = None  # "int8": the compacted segment as int8 codes (kv_quant)
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
@@ -41,6 +42,8 @@ class AutoCompact:
             raise ValueError(f"unknown compaction method {self.method!r}")
         if self.query_source is not None and self.query_source not in QUERY_SOURCES:
             raise ValueError(f"unknown query source {self.query_source!r}")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"unknown quantization {self.quantize!r}")
         if not 0 <= self.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")
@@ -69,4 +72,5 @@ class AutoCompact:
             method=str(obj.get("method", "am-highest-fast")),
             keep_recent=int(obj.get("keep_recent", 0)),
             query_source=obj.get("query_source"),
+            quantize=obj.get("quantize"),
         )

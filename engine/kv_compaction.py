@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
@@ -48,6 +48,7 @@ from engine.attention_matching import (
     compact_head,
     relative_output_error,
 )
+from engine.kv_quant import QuantizedSegment, quantize_prefix
 from models.kv_cache import KVCache
 from models.layers import Pace
 from models.transformer import Transformer, new_capture
@@ -91,13 +92,16 @@ class CompactionReport:
     engine_seconds_max: float = 0.0
     # Set when OMP ran out of its time budget: what it did instead, from which layer on.
     fallback: str | None = None
+    quantized: str | None = None  # "int8": the compacted segment is int8 codes (engine.kv_quant)
+    codes: QuantizedSegment | None = field(default=None, repr=False)  # those codes (not JSON)
 
     @property
     def ratio(self) -> float:
         return self.tokens_before / max(1, self.tokens_after)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": round(self.ratio, 3)}
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "codes"}
+        return {**body, "seconds": dict(self.seconds), "ratio": round(self.ratio, 3)}
 
 
 def copy_row(cache: KVCache, row: int) -> KVCache:
@@ -236,6 +240,7 @@ def compact_row(
     on_fit: OnEngine = inline,
     reference: list[Tensor] | None = None,
     urgent: Callable[[], bool] | None = None,
+    quantize: str | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -249,7 +254,8 @@ def compact_row(
     compacting one row many ways); not for on-policy, whose queries depend on the fit.
     `urgent()` says whether the model's requests wait for the pieces of model work (then they
     are about a decode step each, else larger: `models.layers.Pace`); without it, they are
-    small whenever `on_engine` is not `inline`."""
+    small whenever `on_engine` is not `inline`. `quantize="int8"` stores the compacted
+    segment as int8 codes (`engine.kv_quant`; the report carries them, `codes`)."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or DEFAULT_QUERY_SOURCE[method]
@@ -302,6 +308,11 @@ def compact_row(
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
+    codes = None
+    if quantize == "int8":  # the codes stand for the segment from now on, here too
+        codes = on_fit(lambda: quantize_prefix(cache, target, row))
+    elif quantize is not None:
+        raise ValueError(f"unknown quantization {quantize!r}; known: int8")
     seconds = {k: round(v, 4) for k, v in seconds.items()}
     seconds["total"] = round(time.perf_counter() - started, 4)
     return CompactionReport(
@@ -318,6 +329,8 @@ def compact_row(
         engine_jobs=engine.jobs,
         engine_seconds_max=round(engine.longest, 4),
         fallback=None if budget is None else budget.describe(),
+        quantized=quantize,
+        codes=codes,
     )
 
 

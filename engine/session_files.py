@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.kv_quant import QuantizedSegment
 from models.fetch import fsync_dir
 from models.kv_cache import KVCache
 
@@ -131,13 +132,22 @@ def _write_json(obj: Any, path: Path) -> None:
         raise
 
 
-def _write_segment(cache: KVCache, start: int, end: int, path: Path) -> Segment:
-    """Slots [start, end) of row 0 of `cache`, every layer, into one safetensors file."""
+def _write_segment(
+    cache: KVCache, start: int, end: int, path: Path, codes: QuantizedSegment | None = None
+) -> Segment:
+    """Slots [start, end) of row 0 of `cache`, every layer, into one safetensors file; as the
+    int8 codes of `codes` where given (then they are exactly slots [0, codes.slots))."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(cache.num_layers):
         keys, values, bias = cache.read(0, layer)  # [Hkv, n, D], [Hkv, n]
-        tensors[f"k.{layer}"] = keys[:, start:end].contiguous().cpu()
-        tensors[f"v.{layer}"] = values[:, start:end].contiguous().cpu()
+        if codes is not None:
+            tensors[f"kq.{layer}"] = codes.keys[layer].contiguous()
+            tensors[f"ks.{layer}"] = codes.key_scales[layer].contiguous()
+            tensors[f"vq.{layer}"] = codes.values[layer].contiguous()
+            tensors[f"vs.{layer}"] = codes.value_scales[layer].contiguous()
+        else:
+            tensors[f"k.{layer}"] = keys[:, start:end].contiguous().cpu()
+            tensors[f"v.{layer}"] = values[:, start:end].contiguous().cpu()
         if bias is not None:
             tensors[f"b.{layer}"] = bias[:, start:end].contiguous().cpu()
     tmp = _tmp_name(path)
@@ -153,12 +163,17 @@ def _write_segment(cache: KVCache, start: int, end: int, path: Path) -> Segment:
 
 # ---- versions ----------------------------------------------------------------------------------
 def write_version(
-    folder: Path, version: Version, cache: KVCache | None, keep_slots: int
+    folder: Path,
+    version: Version,
+    cache: KVCache | None,
+    keep_slots: int,
+    codes: QuantizedSegment | None = None,
 ) -> Version:
     """Commit `version` (its tokens and metadata; `segments` and `generation` are filled in
     here) with the cache's slots: the first `keep_slots` are already on disk in `version`'s
-    current segments and unchanged, the rest are written as a new segment. Returns the
-    committed version. The caller holds the session's lock."""
+    current segments and unchanged, the rest are written as a new segment (the cache's first
+    slots as `codes`' int8, in a segment of their own, where the session holds codes).
+    Returns the committed version. The caller holds the session's lock."""
     new_folder = not folder.exists()
     if new_folder:
         folder.mkdir()
@@ -171,10 +186,15 @@ def write_version(
             keep_slots = 0  # not a pure append: write everything
         if keep_slots == 0 or len(segments) >= MAX_SEGMENTS:
             segments, keep_slots = [], 0
+
+        def path() -> Path:  # unique: a segment is never replaced by other bytes under its name
+            return folder / f"kv-{generation}-{uuid.uuid4().hex[:12]}.safetensors"
+
+        if codes is not None and keep_slots < codes.slots:
+            segments = [_write_segment(cache, 0, codes.slots, path(), codes)]
+            keep_slots = codes.slots
         if length > keep_slots:
-            # Unique names: a segment is never replaced by different bytes under its name.
-            path = folder / f"kv-{generation}-{uuid.uuid4().hex[:12]}.safetensors"
-            segments.append(_write_segment(cache, keep_slots, length, path))
+            segments.append(_write_segment(cache, keep_slots, length, path()))
     else:
         segments = []
     committed = Version(
@@ -222,15 +242,26 @@ def read_version(folder: Path, expect_id: str | None = None) -> Version:
 
 def read_cache(
     folder: Path, version: Version, device: torch.device, dtype: torch.dtype
-) -> KVCache | None:
-    """The session's cache, its segments concatenated (None if it has none)."""
+) -> tuple[KVCache | None, QuantizedSegment | None]:
+    """The session's cache, its segments concatenated (None if it has none), and the int8
+    codes its first segment holds (None if it holds plain tensors)."""
     if not version.segments:
-        return None
+        return None, None
     parts: list[dict[str, torch.Tensor]] = []
     for seg in version.segments:
         with safe_open(str(folder / seg.file), framework="pt") as f:
             parts.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
-    layers = sum(1 for name in parts[0] if name.startswith("k."))
+    layers = sum(1 for name in parts[0] if name.startswith(("k.", "kq.")))
+    codes = None
+    if "kq.0" in parts[0]:
+        codes = QuantizedSegment(
+            keys=[parts[0][f"kq.{i}"] for i in range(layers)],
+            key_scales=[parts[0][f"ks.{i}"] for i in range(layers)],
+            values=[parts[0][f"vq.{i}"] for i in range(layers)],
+            value_scales=[parts[0][f"vs.{i}"] for i in range(layers)],
+        )
+        for i in range(layers):  # the dense cache holds the codes' values
+            parts[0][f"k.{i}"], parts[0][f"v.{i}"] = codes.layer(i, dtype, torch.device("cpu"))
     n = version.length
     capacity = max(64, n * 2)
     has_bias = any("b.0" in p for p in parts)
@@ -251,7 +282,7 @@ def read_cache(
     keys = [join("k", i, dtype) for i in range(layers)]
     values = [join("v", i, dtype) for i in range(layers)]
     biases = [join("b", i, torch.float32) for i in range(layers)] if has_bias else None
-    return KVCache(keys, values, [n], [version.logical], biases)
+    return KVCache(keys, values, [n], [version.logical], biases), codes
 
 
 def _remove_unreferenced(folder: Path, version: Version) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from engine import session_files
 from engine.auto_compaction import AutoCompact
+from engine.kv_quant import PackedCache, QuantizedSegment
 from engine.session_files import CorruptSession, Version
 from engine.session_mirror import SessionMirror, stamp
 from models.kv_cache import KVCache
@@ -79,6 +80,10 @@ class Session:
     compactions: list[dict[str, Any]] = field(default_factory=list)
     auto_compact: AutoCompact | None = None  # compacts itself past a size (auto_compaction)
     auto_pending: bool = False  # an online compaction is due and not yet done
+    # The compacted segment as int8 codes (engine.kv_quant), if the compaction quantized it,
+    # and, while the session is idle, its cache packed as those codes and the rest.
+    codes: QuantizedSegment | None = None
+    packed: PackedCache | None = None
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Serializes writes of this session: a write whose request was cancelled may still be
@@ -96,6 +101,8 @@ class Session:
         return len(self.tokens)
 
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes()
         return 0 if self.cache is None else self.cache.nbytes(0)
 
     # ---- changes (the caller holds the lock) -----------------------------------------------
@@ -107,9 +114,16 @@ class Session:
         self.next_input = next_input
         self.dirty = True
 
-    def rewrite(self, cache: KVCache, tokens: list[int] | None = None) -> None:
-        """Every slot changed (a prefill from scratch, a compaction)."""
+    def rewrite(
+        self,
+        cache: KVCache,
+        tokens: list[int] | None = None,
+        codes: QuantizedSegment | None = None,
+    ) -> None:
+        """Every slot changed (a prefill from scratch, a compaction; its first slots maybe
+        quantized, `codes`)."""
         self.cache = cache
+        self.codes = codes
         if tokens is not None:
             self.tokens = tokens
         self.disk_slots = 0
@@ -118,6 +132,8 @@ class Session:
     def describe(self) -> dict[str, Any]:
         cache = self.cache
         physical = cache.lengths[0] if cache is not None else None
+        if physical is None and self.packed is not None:
+            physical = self.codes.slots + self.packed.tail.lengths[0] if self.codes else None
         if physical is None and self.version is not None:
             physical = self.version.length
         return {
@@ -130,7 +146,8 @@ class Session:
             "physical_tokens": physical,
             "bytes": self.nbytes(),
             "disk_bytes": 0 if self.version is None else self.version.disk_bytes,
-            "in_memory": cache is not None,
+            "in_memory": cache is not None or self.packed is not None,
+            "quantized_tokens": None if self.codes is None else self.codes.slots,
             "compactions": self.compactions,
             "auto_compact": None if self.auto_compact is None else self.auto_compact.to_json(),
             "auto_compact_pending": self.auto_pending,
@@ -339,11 +356,23 @@ class SessionStore:
             )
 
     def enforce_limit(self) -> None:
-        """Drop least recently used idle caches from memory until they fit the bound (each is
-        on disk first; one the disk refuses stays in memory). Blocking I/O: not for the event
-        loop."""
+        """Pack idle sessions whose compacted segment is quantized (their codes stand for it in
+        memory), then drop least recently used idle caches from memory until they fit the
+        bound (each is on disk first; one the disk refuses stays in memory). Blocking I/O: not
+        for the event loop."""
         with self._lock:
             candidates = [s for s in self._sessions.values() if s.cache is not None]
+        for session in candidates:
+            if session.codes is not None and not session.dirty and session.lock.acquire(False):
+                try:
+                    session.packed = PackedCache.pack(session.cache, session.codes)
+                    session.cache = None
+                finally:
+                    session.lock.release()
+        with self._lock:
+            candidates = [
+                s for s in self._sessions.values() if s.cache is not None or s.packed is not None
+            ]
         for victim in candidates:  # least recently used first
             if self.memory_bytes() <= self.max_bytes:
                 return
@@ -351,7 +380,7 @@ class SessionStore:
                 continue  # in use
             try:
                 self.persist(victim, publish=False)  # no lease here: never written through
-                victim.cache = None
+                victim.cache = victim.packed = None
                 log.info("spilled session %s to disk", victim.id)
             except OSError as e:
                 log.warning("could not spill session %s: %s", victim.id, e)
@@ -360,9 +389,12 @@ class SessionStore:
 
     # ---- disk ------------------------------------------------------------------------------
     def load(self, session: Session, device: torch.device, dtype: torch.dtype) -> KVCache | None:
-        """The session's cache, read back from disk if it was spilled (hold its lock)."""
+        """The session's cache, unpacked or read back from disk if it was packed or spilled
+        (hold its lock)."""
+        if session.cache is None and session.packed is not None:
+            session.cache, session.packed = session.packed.unpack(), None
         if session.cache is None and session.version is not None and session.version.segments:
-            session.cache = session_files.read_cache(
+            session.cache, session.codes = session_files.read_cache(
                 self.folder(session.id), session.version, device, dtype
             )
             session.disk_slots = session.version.length
@@ -379,7 +411,7 @@ class SessionStore:
         if not session.dirty or session.deleted:
             return
         if session.cache is None and session.tokens and session.version is not None:
-            return  # spilled: what is on disk is what there is
+            return  # spilled or packed: what is on disk is what there is
         old = session.version
         draft = Version(
             id=session.id,
@@ -395,7 +427,7 @@ class SessionStore:
             auto_compact=None if session.auto_compact is None else session.auto_compact.to_json(),
         )
         committed = session_files.write_version(
-            self.folder(session.id), draft, session.cache, session.disk_slots
+            self.folder(session.id), draft, session.cache, session.disk_slots, session.codes
         )
         with self._lock:
             self._disk_bytes += committed.disk_bytes - (0 if old is None else old.disk_bytes)
@@ -423,6 +455,7 @@ def _from_version(version: Version) -> Session:
 def _take_version(session: Session, version: Version) -> None:
     session.tokens = list(version.tokens)
     session.cache = None  # read from the version's files when next used
+    session.codes = session.packed = None  # so are the codes, if its first segment holds them
     session.next_input = version.next_input
     session.compactions = list(version.compactions)
     session.auto_compact = AutoCompact.from_json(version.auto_compact)

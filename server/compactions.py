@@ -24,7 +24,7 @@ from engine.served_model import ServedModel
 from engine.session_store import Session
 from server.errors import APIError
 from server.schemas import CompactRequest
-from server.session_access import load_cache, locked, persist, unstoppable
+from server.session_access import load_cache, locked, persist, spill, unstoppable
 
 if TYPE_CHECKING:
     from server.app import ServerState
@@ -137,9 +137,18 @@ async def compact(
         if cache is None or cache.lengths[0] == 0:
             raise APIError(400, "the session's cache is empty", param="session_id")
         target = _target(cache.lengths[0], req)
-        return await _run(
-            state, served, session, target, req.method, req.query_source, req.keep_recent
+        body = await _run(
+            state,
+            served,
+            session,
+            target,
+            req.method,
+            req.query_source,
+            req.keep_recent,
+            req.quantize,
         )
+    await spill(state.sessions)  # idle now: packed (int8) or spilled as the bound says
+    return body
 
 
 async def auto_compact(state: ServerState, served: ServedModel, session: Session) -> dict | None:
@@ -154,7 +163,7 @@ async def auto_compact(state: ServerState, served: ServedModel, session: Session
         target = policy.target(physical)
         if not policy.due(physical) or target is None:
             return None
-        return await _run(
+        body = await _run(
             state,
             served,
             session,
@@ -162,8 +171,11 @@ async def auto_compact(state: ServerState, served: ServedModel, session: Session
             policy.method,
             policy.query_source,
             policy.keep_recent,
+            policy.quantize,
             auto=True,
         )
+    await spill(state.sessions)
+    return body
 
 
 def _target(physical: int, req: CompactRequest) -> int:
@@ -202,6 +214,7 @@ async def _run(
     method: str,
     query_source: str | None,
     keep_recent: int,
+    quantize: str | None,
     auto: bool = False,
 ) -> dict:
     """Compact the locked session's loaded cache to `target` slots (plus the kept recent
@@ -223,12 +236,13 @@ async def _run(
             on_engine=served.thread.run,
             omp_budget=state.settings.compaction_omp_budget,
             urgent=served.thread.has_requests,
+            quantize=quantize,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
     body = report.to_dict() | {"auto": auto}
     session.compactions.append(body)
-    session.rewrite(cache)
+    session.rewrite(cache, codes=report.codes)
     await persist(state.sessions, session)
     state.metrics.compaction_seconds.labels(method).observe(report.seconds["total"])
     state.metrics.compaction_ratio.labels(method).observe(report.ratio)

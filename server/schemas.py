@@ -188,6 +188,7 @@ class AutoCompactSpec(BaseModel):
     method: Literal[METHODS] = "am-highest-fast"  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
+    quantize: Literal["int8"] | None = None
 
 
 class SessionCreateRequest(BaseModel):
@@ -210,3 +211,5 @@ class CompactRequest(BaseModel):
     # None: the method's own (engine.kv_compaction.DEFAULT_QUERY_SOURCE).
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)
+    # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).
+    quantize: Literal["int8"] | None = None

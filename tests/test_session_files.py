@@ -77,14 +77,14 @@ def test_appends_write_only_new_slots_and_read_back_exactly(tmp_path):
     assert [(s.start, s.end) for s in v2.segments] == [(0, 40), (40, 45)]
     assert v2.segments[1].bytes < v2.segments[0].bytes / 4  # 5 slots, not 45
     assert (folder / v1.segments[0].file).stat().st_mtime_ns == first.st_mtime_ns
-    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32), grown)
+    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32)[0], grown)
     # A compaction rewrites everything, biases included, as one segment.
     compacted = _cache(12, 2, biases=True)
     v3 = session_files.write_version(folder, _draft(v2, list(range(45))), compacted, 0)
     assert [(s.start, s.end) for s in v3.segments] == [(0, 12)]
     assert sorted(p.name for p in folder.iterdir()) == [v3.segments[0].file, "meta.json"]
     assert v3.segments[0].file.startswith("kv-3-")  # generation 3, a unique name
-    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32), compacted)
+    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32)[0], compacted)
 
 
 def test_many_appends_are_merged(tmp_path):
@@ -97,7 +97,7 @@ def test_many_appends_are_merged(tmp_path):
             folder, _draft(version, [0] * cache.lengths[0]), cache, version.length
         )
         assert len(version.segments) <= MAX_SEGMENTS
-    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32), cache)
+    _same(read_cache(folder, recover(folder), torch.device("cpu"), torch.float32)[0], cache)
 
 
 class Crash(BaseException):
@@ -140,7 +140,7 @@ def test_a_crash_at_any_step_leaves_the_old_or_the_new_version(tmp_path, monkeyp
             monkeypatch.setattr(os, "replace", real_replace)
             monkeypatch.setattr(os, "fsync", real_fsync)
         version = recover(folder)
-        got = read_cache(folder, version, torch.device("cpu"), torch.float32)
+        got = read_cache(folder, version, torch.device("cpu"), torch.float32)[0]
         if version.tokens == [1] * 30:
             assert not finished
             _same(got, old_cache)
