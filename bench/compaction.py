@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from engine.kv_compaction import compact_row, reference_queries
+from engine.kv_quant import PackedCache
 from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
@@ -238,14 +239,20 @@ AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp")
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 
+def _parts(method: str) -> tuple[str, str, str | None]:
+    """METHOD[:SOURCE][+int8] -> (method, query source, quantization)."""
+    spec, _, quantize = method.partition("+")
+    name, _, source = spec.partition(":")
+    return name, source or QUERY_SOURCE[name], quantize or None
+
+
 def _source(method: str) -> str:
-    """METHOD or METHOD:SOURCE -> the query source it runs with."""
-    name, _, source = method.partition(":")
-    return source or QUERY_SOURCE[name]
+    return _parts(method)[1]
 
 
 def _compact(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
+    name, source, quantize = _parts(method)
     return compact_row(
         model,
         tok,
@@ -253,12 +260,21 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         0,
         ids,
         target,
-        method.partition(":")[0],
-        _source(method),
+        name,
+        source,
         args.keep_recent,
         seed=args.seed,
-        reference=(captured or {}).get(_source(method)),
+        reference=(captured or {}).get(source),
+        quantize=quantize,
     )
+
+
+def resident_bytes(cache, report) -> int:
+    """What the compacted row takes in a session store: its int8 codes and the rest when the
+    segment is quantized (`PackedCache`), else its dense slots."""
+    if report.codes is None:
+        return cache.nbytes(0)
+    return PackedCache.pack(cache, report.codes).nbytes()
 
 
 def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
@@ -266,7 +282,7 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
     from bench.load import austen_ids
 
     longest = austen_ids(args.model, max(args.timing_lengths))
-    methods = [m for m in args.methods if m.partition(":")[0] in AM_METHODS]
+    methods = [m for m in args.methods if _parts(m)[0] in AM_METHODS]
     rows: list[dict] = []
     for length in args.timing_lengths:
         ids = longest[:length]
@@ -325,8 +341,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=list(QUERY_SOURCE),
-        help="METHOD or METHOD:QUERY_SOURCE (e.g. am-highest-fast:on-policy); the default "
-        "source per method is the one its paper uses",
+        help="METHOD[:QUERY_SOURCE][+int8] (e.g. am-highest-fast:on-policy, am-omp+int8: the "
+        "compacted segment kept as int8 codes); the default source per method is the one its "
+        "paper uses",
     )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)
@@ -428,7 +445,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "facts_em": got["em"],
                     "facts_em_full": base_full["em"],
                     "out_err": report.output_error,
-                    "bytes": cache.nbytes(0),
+                    "bytes": resident_bytes(cache, report),
                     "bytes_full": full.nbytes(0),
                     "seconds": report.seconds,
                 }

@@ -131,3 +131,23 @@ def test_policy_targets_match_a_requested_compaction():
     assert AutoCompact(max_tokens=16, ratio=1.5).target(17) == 12
     with pytest.raises(ValueError, match="keep_recent"):
         AutoCompact(max_tokens=160, ratio=4, keep_recent=81)
+
+
+def test_the_online_bench_feeds_and_compacts_by_the_same_policy(tiny_llama_dir):
+    """bench/online_compaction.py's feed: the policy's rule, in process (the bench's runs)."""
+    import argparse
+
+    import tiny_models
+    from bench.online_compaction import feed
+    from models.loading import load_model
+
+    model, _ = load_model(tiny_llama_dir)
+    ids = [i % 200 for i in range(300)]
+    args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32)
+    run = feed(model, tiny_models.byte_tokenizer(), ids, args, "am-highest-fast+int8")
+    assert run["largest"] <= args.max_tokens + args.chunk
+    assert run["compactions"] >= 3 and run["cache"].logical == [300]
+    assert run["cache"].lengths[0] <= args.max_tokens
+    full = feed(model, tiny_models.byte_tokenizer(), ids, args, None)
+    assert full["compactions"] == 0 and full["cache"].lengths == [300]
+    assert run["bytes"] < full["bytes"] / 2

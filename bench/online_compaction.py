@@ -1,0 +1,189 @@
+"""Online compaction, measured: a session fed a long text in chunks, compacting itself by its
+policy (`engine.auto_compaction.AutoCompact`, the server's own rule), against the full cache
+and against StreamingLLM held to the same size.
+
+    python -m bench.online_compaction [--tokens 8000] [--chunk 256] [--max-tokens 768]
+                                      [--ratio 4] [--keep-recent 128] [--json out.json]
+
+The text is Jane Austen (or `--text`, as bench.compaction takes it) of `--tokens` tokens with
+`--facts` synthetic facts spread through it. Each run starts from an empty cache and appends
+the text `--chunk` tokens at a time; after each append, a policy run compacts as the policy
+says (whenever the cache is past `--max-tokens` physical slots: the part before the last
+`--keep-recent` slots, `--ratio`x, with the run's method, `+int8` for int8 codes), so early
+facts go through many compactions. Then every run answers the facts' questions (and their
+paraphrases) from its final cache: the fraction of the full cache's benefit kept, as in
+bench.compaction, the physical size it ended at and the largest it reached, its bytes, and
+how many compactions it took and how long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.compaction import (
+    Probe,
+    _text,
+    kept,
+    make_context,
+    measure,
+    resident_bytes,
+    save_json,
+)
+from engine.auto_compaction import AutoCompact
+from engine.kv_compaction import compact_row
+from models.loading import load_model
+from models.sources import DEFAULT_AR_MODEL, resolve
+
+
+def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
+    """Append `ids` chunk by chunk, compacting by the policy after each (no compaction for
+    method None). Returns the final cache and what happened on the way."""
+    policy = None
+    quantize = None
+    if method is not None:
+        name, _, quantize = method.partition("+")
+        policy = AutoCompact(args.max_tokens, args.ratio, name, args.keep_recent)
+    cache = model.new_cache(1, args.max_tokens + 2 * args.chunk)
+    largest, seconds, reports = 0, 0.0, []
+    with torch.no_grad():
+        for start in range(0, len(ids), args.chunk):
+            chunk = ids[start : start + args.chunk]
+            cache.ensure_capacity(cache.lengths[0] + len(chunk))
+            model(torch.tensor([chunk], device=model.device), cache=cache)
+            largest = max(largest, cache.lengths[0])
+            physical = cache.lengths[0]
+            if policy is None or not policy.due(physical):
+                continue
+            target = policy.target(physical)
+            if target is None:
+                continue
+            report = compact_row(
+                model,
+                tok,
+                cache,
+                0,
+                ids[: start + len(chunk)],
+                target,
+                policy.method,
+                policy.query_source,
+                policy.keep_recent,
+                quantize=quantize or None,
+            )
+            seconds += report.seconds["total"]
+            reports.append(report)
+    return {
+        "cache": cache,
+        "largest": largest,
+        "compactions": len(reports),
+        "seconds": seconds,
+        "bytes": resident_bytes(cache, reports[-1]) if reports else cache.nbytes(0),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_AR_MODEL)
+    p.add_argument("--text", help="as bench.compaction's --text")
+    p.add_argument("--tokens", type=int, default=8000)
+    p.add_argument("--facts", type=int, default=40)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=768)  # + a chunk: at most 1,024 slots
+    p.add_argument("--ratio", type=float, default=4)
+    p.add_argument("--keep-recent", type=int, default=128)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["am-highest-fast", "am-highest-fast+int8", "am-omp-fast", "streaming"],
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    folder = resolve(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
+    rng = random.Random(args.seed)
+    # The context is cut a little short of --tokens: the questions must fit the model too.
+    context, facts, continuation = make_context(_text(args.text), tok, args.tokens, args.facts, rng)
+    ids = tok(context, add_special_tokens=False).input_ids
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False).input_ids
+
+    probe = Probe(
+        facts=[(encode(f.question), encode(f.answer)) for f in facts],
+        paraphrases=[(encode(f.paraphrase), encode(f.answer)) for f in facts],
+        continuation=continuation,
+        recon_prompt=encode("\n\n") + ids[:1],
+        recon_target=ids[1:65],
+    )
+    none = measure(model, None, probe, em=False)
+    started = time.perf_counter()
+    full = feed(model, tok, ids, args, None)
+    fed = time.perf_counter() - started
+    print(f"{len(ids)} tokens, {len(facts)} facts; the full cache fed in {fed:.0f} s")
+    base = measure(model, full["cache"], probe, em=False)
+    rows = [_row("full cache", full, base, none, base)]
+    for method in args.methods:
+        run = feed(model, tok, ids, args, method)
+        got = measure(model, run["cache"], probe, em=False)
+        rows.append(_row(method, run, got, none, base))
+        print(_line(rows[-1]), flush=True)
+        if args.json:
+            save_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "rows": rows})
+    _print(rows, args)
+    return rows
+
+
+def _row(name: str, run: dict, got: dict, none: dict, full: dict) -> dict:
+    cache = run["cache"]
+    return {
+        "run": name,
+        "logical": cache.logical[0],
+        "physical": cache.lengths[0],
+        "largest": run["largest"],
+        "bytes": run["bytes"],
+        "compactions": run["compactions"],
+        "compaction_s": round(run["seconds"], 1),
+        "facts_kept": kept(none["facts"], full["facts"], got["facts"]),
+        "para_kept": kept(none["para"], full["para"], got["para"]),
+        "cont_kept": kept(none["cont"], full["cont"], got["cont"]),
+        "facts_nll": got["facts"],
+    }
+
+
+def _line(r: dict) -> str:
+    return (
+        f"{r['run']:<22}{r['logical']:>8}{r['physical']:>9}{r['largest']:>9}"
+        f"{r['bytes'] / 1e6:>9.1f}{r['compactions']:>6}{r['compaction_s']:>8.1f}"
+        f"{r['facts_kept']:>8.2f}{r['para_kept']:>8.2f}{r['cont_kept']:>8.2f}"
+    )
+
+
+def _print(rows: list[dict], args) -> None:
+    print(
+        f"\nonline compaction: chunks of {args.chunk}, past {args.max_tokens} physical slots "
+        f"compact all but the last {args.keep_recent} {args.ratio:g}x ({args.dtype})"
+    )
+    print(
+        f"{'run':<22}{'logical':>8}{'physical':>9}{'largest':>9}{'MB':>9}{'comp.':>6}"
+        f"{'comp. s':>8}{'facts':>8}{'para':>8}{'cont':>8}"
+    )
+    for r in rows:
+        print(_line(r))
+    kept_facts = [r["facts_kept"] for r in rows[1:]]
+    if kept_facts:
+        print("median facts kept over the policy runs:", round(statistics.median(kept_facts), 3))
+
+
+if __name__ == "__main__":
+    main()
