@@ -239,11 +239,17 @@ AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp")
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 
-def _parts(method: str) -> tuple[str, str, str | None]:
-    """METHOD[:SOURCE][+int8] -> (method, query source, quantization)."""
-    spec, _, quantize = method.partition("+")
-    name, _, source = spec.partition(":")
-    return name, source or QUERY_SOURCE[name], quantize or None
+def _parts(method: str) -> tuple[str, str, str | None, str]:
+    """METHOD[:SOURCE][+int8][+attn] -> (method, query source, quantization, budgets); a
+    source may hold a "+" itself (repeat+self-study)."""
+    flags: set[str] = set()
+    while (tail := method.rpartition("+")[2]) in ("int8", "attn"):
+        flags.add(tail)
+        method = method[: -len(tail) - 1]
+    name, _, source = method.partition(":")
+    quantize = "int8" if "int8" in flags else None
+    budgets = "attention" if "attn" in flags else "uniform"
+    return name, source or QUERY_SOURCE[name], quantize, budgets
 
 
 def _source(method: str) -> str:
@@ -252,7 +258,7 @@ def _source(method: str) -> str:
 
 def _compact(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
-    name, source, quantize = _parts(method)
+    name, source, quantize, budgets = _parts(method)
     return compact_row(
         model,
         tok,
@@ -266,15 +272,29 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         seed=args.seed,
         reference=(captured or {}).get(source),
         quantize=quantize,
+        budgets=budgets,
     )
 
 
 def resident_bytes(cache, report) -> int:
-    """What the compacted row takes in a session store: its int8 codes and the rest when the
-    segment is quantized (`PackedCache`), else its dense slots."""
+    """What the compacted row takes in a session store's memory: its int8 codes and the rest
+    when the segment is quantized (`PackedCache`), else its dense slots (padding included)."""
     if report.codes is None:
         return cache.nbytes(0)
     return PackedCache.pack(cache, report.codes).nbytes()
+
+
+def stored_bytes(cache, report) -> int:
+    """What the compacted row takes on disk as a session (ragged where its heads' budgets
+    differ, int8 codes where quantized): written out and measured."""
+    import tempfile
+
+    from engine import session_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        version = session_files.Version("row", "bench", [], None, [], 0.0, 0, 0, 0, [])
+        folder = Path(tmp) / "row"
+        return session_files.write_version(folder, version, cache, 0, report.codes).disk_bytes
 
 
 def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
@@ -341,9 +361,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=list(QUERY_SOURCE),
-        help="METHOD[:QUERY_SOURCE][+int8] (e.g. am-highest-fast:on-policy, am-omp+int8: the "
-        "compacted segment kept as int8 codes); the default source per method is the one its "
-        "paper uses",
+        help="METHOD[:QUERY_SOURCE][+int8][+attn] (e.g. am-highest-fast:on-policy; +int8: the "
+        "compacted segment kept as int8 codes; +attn: the KV heads' budgets by measured "
+        "attention); the default source per method is the one its paper uses",
     )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)
@@ -446,6 +466,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "facts_em_full": base_full["em"],
                     "out_err": report.output_error,
                     "bytes": resident_bytes(cache, report),
+                    "disk_bytes": stored_bytes(cache, report),
+                    "head_slots": report.head_slots,
                     "bytes_full": full.nbytes(0),
                     "seconds": report.seconds,
                 }
@@ -489,13 +511,19 @@ def summarize(rows: list[dict], ratios: list[float], methods: list[str]) -> list
     """Median (and min..max) over contexts, per method and ratio; printed as tables."""
     out = []
     width = max(18, *(len(m) + 2 for m in methods))
-    for key in ("facts_kept", "para_kept", "cont_kept", "recon_kept", "facts_em", "out_err"):
-        print(f"\n{key} (median over contexts, [min, max])")
+    keys = ("facts_kept", "para_kept", "cont_kept", "recon_kept", "facts_em", "out_err")
+    for key in (*keys, "bytes", "disk_bytes"):
+        unit = 1e6 if key.endswith("bytes") else 1  # bytes as MB
+        print(f"\n{key}{' (MB)' if unit > 1 else ''} (median over contexts, [min, max])")
         print(f"{'method':<{width}}" + "".join(f"{r:>18.0f}x" for r in ratios))
         for method in methods:
             line = f"{method:<{width}}"
             for ratio in ratios:
-                vals = [r[key] for r in rows if r["method"] == method and r["ratio"] == ratio]
+                vals = [
+                    r[key] / unit
+                    for r in rows
+                    if r["method"] == method and r["ratio"] == ratio and key in r
+                ]
                 if not vals:
                     line += f"{'-':>19}"
                     continue

@@ -103,17 +103,20 @@ def _row_max(h: HeadInputs) -> Tensor:
 
 
 # ---- key selection ---------------------------------------------------------------------------
-def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
-    """The t keys the reference queries attend to most (aggregated over queries)."""
+def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = "rms") -> Tensor:
+    """[T] each key's attention from the reference queries, aggregated over them."""
     e, m, _ = targets(h)
     p = e / m[:, None]  # [n, T] the softmax
     if aggregate == "rms":
-        score = p.pow(2).mean(dim=0).sqrt()
-    elif aggregate == "mean":
-        score = p.mean(dim=0)
-    else:
-        score = p.max(dim=0).values
-    return score.topk(t).indices.sort().values
+        return p.pow(2).mean(dim=0).sqrt()
+    if aggregate == "mean":
+        return p.mean(dim=0)
+    return p.max(dim=0).values
+
+
+def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
+    """The t keys the reference queries attend to most (aggregated over queries)."""
+    return highest_attention_scores(h, aggregate).topk(t).indices.sort().values
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import QUERY_SOURCES
+from engine.kv_compaction import BUDGETS, QUERY_SOURCES
 
 MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one
 MIN_MAX_TOKENS = 16
@@ -32,6 +32,7 @@ class AutoCompact:
     keep_recent: int = 0  # the newest slots, kept exact
     query_source: str | None = None  # None: the method's own
     quantize: str | None = None  # "int8": the compacted segment as int8 codes (kv_quant)
+    budgets: str = "uniform"  # or "attention": per KV head (compaction_budgets)
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
@@ -44,6 +45,10 @@ class AutoCompact:
             raise ValueError(f"unknown query source {self.query_source!r}")
         if self.quantize not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantize!r}")
+        if self.budgets not in BUDGETS:
+            raise ValueError(f"unknown budgets {self.budgets!r}")
+        if self.budgets != "uniform" and self.query_source == "on-policy":
+            raise ValueError("non-uniform budgets are not for on-policy queries")
         if not 0 <= self.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")
@@ -73,4 +78,5 @@ class AutoCompact:
             keep_recent=int(obj.get("keep_recent", 0)),
             query_source=obj.get("query_source"),
             quantize=obj.get("quantize"),
+            budgets=str(obj.get("budgets", "uniform")),
         )

@@ -41,9 +41,11 @@ import torch
 from torch import Tensor
 
 from engine import compaction_baselines as baselines
+from engine import compaction_budgets
 from engine.attention_matching import (
     METHODS,
     HeadInputs,
+    HeadResult,
     OmpBudget,
     compact_head,
     relative_output_error,
@@ -54,6 +56,7 @@ from models.layers import Pace
 from models.transformer import Transformer, new_capture
 
 QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
+BUDGETS = ("uniform", "attention")  # slots per KV head: all alike, or by measured attention
 # Baselines that score keys with the context's own queries, as at prefill time.
 CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
 # Each method's reference queries when a request names none: what its paper uses (Attention
@@ -83,7 +86,10 @@ class CompactionReport:
     tokens_after: int
     logical_length: int
     region: int  # slots that were compacted
-    target: int  # slots that replaced them
+    target: int  # slots that replaced them, per KV head (on average, non-uniform budgets)
+    budgets: str  # "uniform", or "attention": per head by measured attention
+    segment_slots: int  # the segment's length in the row: its longest head's slots
+    head_slots: int  # slots the heads hold, all layers and heads together (without padding)
     reference_queries: int
     output_error: float  # mean relative attention-output error over layers and heads
     seconds: dict[str, float] = field(default_factory=dict)  # queries, keys, beta, values
@@ -241,6 +247,7 @@ def compact_row(
     reference: list[Tensor] | None = None,
     urgent: Callable[[], bool] | None = None,
     quantize: str | None = None,
+    budgets: str = "uniform",
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -255,7 +262,11 @@ def compact_row(
     `urgent()` says whether the model's requests wait for the pieces of model work (then they
     are about a decode step each, else larger: `models.layers.Pace`); without it, they are
     small whenever `on_engine` is not `inline`. `quantize="int8"` stores the compacted
-    segment as int8 codes (`engine.kv_quant`; the report carries them, `codes`)."""
+    segment as int8 codes (`engine.kv_quant`; the report carries them, `codes`).
+    `budgets="attention"` gives the KV heads of all layers their shares of the same total by
+    measured attention (`engine.compaction_budgets`; not with on-policy queries, which are
+    fitted layer by layer); the segment is then as long as its longest head, the others'
+    extra slots masked."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or DEFAULT_QUERY_SOURCE[method]
@@ -292,6 +303,10 @@ def compact_row(
     )
     if method == "expected_attention":
         fit.rope = _expected_attention_rope(model, len(context_ids), cache.logical[row])
+    if budgets not in BUDGETS:
+        raise ValueError(f"unknown budgets {budgets!r}; known: {', '.join(BUDGETS)}")
+    if budgets != "uniform" and query_source == "on-policy":
+        raise ValueError("non-uniform budgets need every layer's queries first: not on-policy")
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine)
@@ -302,6 +317,13 @@ def compact_row(
             queries = reference_queries(
                 model, tokenizer, cache, row, context_ids, query_source, engine
             )
+        if budgets == "attention":
+            queries = list(queries)  # every layer's, before any fit
+            fit.head_targets = on_fit(
+                lambda: compaction_budgets.allocate(
+                    model.config, cache, row, region, target, queries, fit.generator
+                )
+            )
         for layer, q in enumerate(queries):
             fit(layer, q)
             n_queries = int(q.shape[1])
@@ -310,7 +332,7 @@ def compact_row(
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
     codes = None
     if quantize == "int8":  # the codes stand for the segment from now on, here too
-        codes = on_fit(lambda: quantize_prefix(cache, target, row))
+        codes = on_fit(lambda: quantize_prefix(cache, fit.slots, row))
     elif quantize is not None:
         raise ValueError(f"unknown quantization {quantize!r}; known: int8")
     seconds = {k: round(v, 4) for k, v in seconds.items()}
@@ -323,6 +345,9 @@ def compact_row(
         logical_length=cache.logical[row],
         region=region,
         target=target,
+        budgets=budgets,
+        segment_slots=fit.slots,
+        head_slots=fit.real_slots,
         reference_queries=n_queries,
         output_error=round(sum(fit.errors) / len(fit.errors), 5),
         seconds=seconds,
@@ -353,6 +378,9 @@ class _LayerFit:
     # Expected Attention's RoPE tables: (cos, sin) of the context queries' positions [n, D],
     # then of the future positions [F, D].
     rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    # Non-uniform budgets: per layer, per KV head, its slots (else `target` for all).
+    head_targets: list[list[int]] | None = None
+    real_slots: int = 0  # what the heads hold, summed
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     biases: list[Tensor] = field(default_factory=list)
@@ -360,6 +388,13 @@ class _LayerFit:
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def slots(self) -> int:
+        """The segment's length: the longest head's budget."""
+        if self.head_targets is None:
+            return self.target
+        return max(max(heads) for heads in self.head_targets)
 
     def __call__(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t]), fitted
@@ -399,11 +434,14 @@ class _LayerFit:
             if future is not None:
                 heads = slice(g * group, (g + 1) * group)
                 h.future = (future[0][heads], future[1][heads])
-            r = compact_head(h, self.target, self.method, self.generator, self.seconds, self.budget)
+            t = self.target if self.head_targets is None else self.head_targets[layer][g]
+            r = compact_head(h, t, self.method, self.generator, self.seconds, self.budget)
             self.errors.append(relative_output_error(h, r))
-            layer_k.append(r.keys)
-            layer_v.append(r.values)
-            layer_b.append(r.bias)
+            self.real_slots += t
+            keys_g, values_g, bias_g = _padded(r, self.slots)
+            layer_k.append(keys_g)
+            layer_v.append(values_g)
+            layer_b.append(bias_g)
         device = keys.device
         out = (
             torch.stack(layer_k).to(device),
@@ -432,6 +470,17 @@ class _LayerFit:
         tail = length - self.region
         h.tail_bias = torch.zeros(tail) if bias is None else bias[g, self.region :].float().cpu()
         h.tail_positions = positions[self.region :]
+
+
+def _padded(r: HeadResult, slots: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A head's compacted keys, values [t, D] and beta [t], padded to `slots` with slots no
+    query can see (zero keys and values, a -inf bias)."""
+    extra = slots - r.keys.shape[0]
+    if extra == 0:
+        return r.keys, r.values, r.bias
+    pad = r.keys.new_zeros(extra, r.keys.shape[1])
+    hidden = torch.full((extra,), float("-inf"), dtype=r.bias.dtype)
+    return torch.cat([r.keys, pad]), torch.cat([r.values, pad]), torch.cat([r.bias, hidden])
 
 
 def _expected_attention_rope(

@@ -136,20 +136,27 @@ def _write_segment(
     cache: KVCache, start: int, end: int, path: Path, codes: QuantizedSegment | None = None
 ) -> Segment:
     """Slots [start, end) of row 0 of `cache`, every layer, into one safetensors file; as the
-    int8 codes of `codes` where given (then they are exactly slots [0, codes.slots))."""
+    int8 codes of `codes` where given (then they are exactly slots [0, codes.slots)). A layer
+    whose slots include masked ones (a -inf bias: the padding of non-uniform budgets) is stored
+    ragged: only the visible slots, every head's after the other's, and which they are
+    (`m.<layer>`, [Hkv, n] bool), so padding takes no room on disk."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(cache.num_layers):
         keys, values, bias = cache.read(0, layer)  # [Hkv, n, D], [Hkv, n]
+        part = {}
         if codes is not None:
-            tensors[f"kq.{layer}"] = codes.keys[layer].contiguous()
-            tensors[f"ks.{layer}"] = codes.key_scales[layer].contiguous()
-            tensors[f"vq.{layer}"] = codes.values[layer].contiguous()
-            tensors[f"vs.{layer}"] = codes.value_scales[layer].contiguous()
+            part["kq"], part["vq"] = codes.keys[layer], codes.values[layer]
+            part["vs"] = codes.value_scales[layer]
+            tensors[f"ks.{layer}"] = codes.key_scales[layer].contiguous()  # per channel
         else:
-            tensors[f"k.{layer}"] = keys[:, start:end].contiguous().cpu()
-            tensors[f"v.{layer}"] = values[:, start:end].contiguous().cpu()
+            part["k"], part["v"] = keys[:, start:end].cpu(), values[:, start:end].cpu()
         if bias is not None:
-            tensors[f"b.{layer}"] = bias[:, start:end].contiguous().cpu()
+            part["b"] = bias[:, start:end].cpu()
+            visible = ~torch.isneginf(part["b"])  # [Hkv, n]
+            if not bool(visible.all()):
+                part = {name: t[visible] for name, t in part.items()}  # [sum, ...]
+                tensors[f"m.{layer}"] = visible
+        tensors |= {f"{name}.{layer}": t.contiguous() for name, t in part.items()}
     tmp = _tmp_name(path)
     try:
         save_file(tensors, str(tmp), metadata={"start": str(start), "end": str(end)})
@@ -244,13 +251,14 @@ def read_cache(
     folder: Path, version: Version, device: torch.device, dtype: torch.dtype
 ) -> tuple[KVCache | None, QuantizedSegment | None]:
     """The session's cache, its segments concatenated (None if it has none), and the int8
-    codes its first segment holds (None if it holds plain tensors)."""
+    codes its first segment holds (None if it holds plain tensors); ragged layers padded back
+    (masked slots: zero keys and values, a -inf bias)."""
     if not version.segments:
         return None, None
     parts: list[dict[str, torch.Tensor]] = []
     for seg in version.segments:
         with safe_open(str(folder / seg.file), framework="pt") as f:
-            parts.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+            parts.append(_unragged({name: f.get_tensor(name) for name in f.keys()}))  # noqa: SIM118
     layers = sum(1 for name in parts[0] if name.startswith(("k.", "kq.")))
     codes = None
     if "kq.0" in parts[0]:
@@ -283,6 +291,22 @@ def read_cache(
     values = [join("v", i, dtype) for i in range(layers)]
     biases = [join("b", i, torch.float32) for i in range(layers)] if has_bias else None
     return KVCache(keys, values, [n], [version.logical], biases), codes
+
+
+def _unragged(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A segment file's tensors with its ragged layers padded back to [Hkv, n, ...]."""
+    for name in [k for k in part if k.startswith("m.")]:
+        layer = name[2:]
+        visible = part.pop(name)  # [Hkv, n] bool
+        for kind in ("k", "v", "kq", "vq", "vs", "b"):
+            flat = part.get(f"{kind}.{layer}")
+            if flat is None:
+                continue
+            fill = float("-inf") if kind == "b" else 0
+            full = flat.new_full((*visible.shape, *flat.shape[1:]), fill)
+            full[visible] = flat
+            part[f"{kind}.{layer}"] = full
+    return part
 
 
 def _remove_unreferenced(folder: Path, version: Version) -> None:

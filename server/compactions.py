@@ -146,6 +146,7 @@ async def compact(
             req.query_source,
             req.keep_recent,
             req.quantize,
+            req.budgets,
         )
     await spill(state.sessions)  # idle now: packed (int8) or spilled as the bound says
     return body
@@ -172,6 +173,7 @@ async def auto_compact(state: ServerState, served: ServedModel, session: Session
             policy.query_source,
             policy.keep_recent,
             policy.quantize,
+            policy.budgets,
             auto=True,
         )
     await spill(state.sessions)
@@ -215,6 +217,7 @@ async def _run(
     query_source: str | None,
     keep_recent: int,
     quantize: str | None,
+    budgets: str,
     auto: bool = False,
 ) -> dict:
     """Compact the locked session's loaded cache to `target` slots (plus the kept recent
@@ -237,6 +240,7 @@ async def _run(
             omp_budget=state.settings.compaction_omp_budget,
             urgent=served.thread.has_requests,
             quantize=quantize,
+            budgets=budgets,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

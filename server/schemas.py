@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import QUERY_SOURCES
+from engine.kv_compaction import BUDGETS, QUERY_SOURCES
 from engine.session_store import SESSION_ID_PATTERN
 from server.request_limits import MAX_DLM_STEPS, MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
@@ -189,6 +189,7 @@ class AutoCompactSpec(BaseModel):
     keep_recent: int = Field(0, ge=0)
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     quantize: Literal["int8"] | None = None
+    budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
 
 
 class SessionCreateRequest(BaseModel):
@@ -213,3 +214,5 @@ class CompactRequest(BaseModel):
     keep_recent: int = Field(0, ge=0)
     # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).
     quantize: Literal["int8"] | None = None
+    # "attention": the KV heads' slots by measured attention (engine.compaction_budgets).
+    budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]

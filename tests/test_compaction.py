@@ -345,3 +345,102 @@ def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
     fit.residual()
     assert fit.chol is not None
     torch.testing.assert_close(fit.w, weights.double(), atol=1e-6, rtol=1e-6)
+
+
+def test_budgets_go_where_attention_is_spread_and_keep_the_total():
+    from engine.compaction_budgets import _by_shares
+
+    flat = torch.full((100,), 0.01)  # attention spread over every key
+    peaked = torch.cat([torch.full((5,), 0.19), torch.full((95,), 0.05 / 95)])
+    counts = _by_shares([flat, peaked, flat, peaked], total=4 * 20, low=5, high=40, heads=2)
+    # The spread heads get the slots beyond the floor (split between them as ties fall), the
+    # peaked ones keep the floor: their 5 keys hold 95% of their attention.
+    assert counts[0][1] == counts[1][1] == 5 and counts[0][0] + counts[1][0] == 70
+    assert all(5 <= c <= 40 for layer in counts for c in layer)
+
+
+def _with_padding(cache, extra: int):
+    """The cache with `extra` masked slots (zero K/V, -inf bias) after its compacted segment:
+    what a shorter head of a non-uniform segment holds."""
+    t = cache.lengths[0]
+    grown = cache.extract_row(0)
+    grown.ensure_capacity(t + extra + 8)
+    for layer in range(grown.num_layers):
+        for buf in (grown.keys[layer], grown.values[layer]):
+            buf[0, :, extra : t + extra] = buf[0, :, :t].clone()
+            buf[0, :, :extra] = 0
+        b = grown.biases[layer]
+        b[0, :, extra : t + extra] = b[0, :, :t].clone()
+        b[0, :, :extra] = float("-inf")
+    grown.lengths = [t + extra]
+    return grown
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_masked_padding_slots_change_nothing(tiny, fused):
+    """A segment's padding (the slots a shorter head does not use) is invisible: decoding
+    with it gives the logits decoding without it gives, in PyTorch and in the fused kernels."""
+    from engine.kv_compaction import compact_row
+    from models import kernels
+
+    if fused and not kernels.cpu_has_bf16_dot():
+        pytest.skip("the fused kernels need AVX512-BF16")
+    model, tok = tiny
+    model = model.to(torch.bfloat16) if fused else model
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    try:
+        with kernels.cpu_kernels(fused):
+            cache = _prefilled(model, ids)
+            compact_row(model, tok, cache, 0, ids, target=12, method="am-highest", keep_recent=0)
+            padded = _with_padding(cache, 7)
+            plain = [_next_logits(model, cache, t) for t in (7, 8, 9)]
+            masked = [_next_logits(model, padded, t) for t in (7, 8, 9)]
+    finally:
+        model.to(torch.float32)
+    for a, b in zip(plain, masked, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5 if not fused else 2e-2, rtol=1e-4)
+
+
+def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(tiny, tmp_path):
+    from engine import session_files
+    from engine.kv_compaction import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    cache = _prefilled(model, ids)
+    report = compact_row(
+        model,
+        tok,
+        cache,
+        0,
+        ids,
+        target=16,
+        method="am-highest",
+        keep_recent=8,
+        budgets="attention",
+    )
+    heads = model.config.num_layers * model.config.num_kv_heads
+    assert report.head_slots == heads * 16 and report.segment_slots > 16
+    assert cache.lengths == [report.segment_slots + 8]
+    assert any(torch.isneginf(b[0, :, : report.segment_slots]).any() for b in cache.biases)
+    version = session_files.Version("s", "tiny", ids, None, [], 0.0, 0, 0, 0, [])
+    ragged = session_files.write_version(tmp_path / "s", version, cache, 0)
+    padded_bytes = cache.nbytes(0)
+    assert ragged.disk_bytes < padded_bytes  # the padding takes no room on disk
+    back, _ = session_files.read_cache(
+        tmp_path / "s",
+        session_files.recover(tmp_path / "s"),
+        torch.device("cpu"),
+        torch.float32,
+    )
+    for layer in range(model.config.num_layers):
+        for got, want in zip(back.read(0, layer), cache.read(0, layer), strict=True):
+            assert torch.equal(got, want)
+    assert torch.equal(_next_logits(model, back, 7), _next_logits(model, cache, 7))
+    uniform = _prefilled(model, ids)
+    same_total = compact_row(model, tok, uniform, 0, ids, 16, "am-highest", keep_recent=8)
+    assert same_total.head_slots == report.head_slots and same_total.segment_slots == 16
+    with pytest.raises(ValueError, match="on-policy"):
+        compact_row(
+            model, tok, uniform, 0, ids, 8, "am-highest", "on-policy", 8, budgets="attention"
+        )
