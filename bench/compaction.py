@@ -2,6 +2,7 @@
 
     python -m bench.compaction [--contexts 5] [--ratios 5 10 20 50] [--json out.json]
     python -m bench.compaction --timing [--timing-lengths 1024 2048 4096 8192] [--json out.json]
+    python -m bench.compaction --layer-loss [--methods am-omp] [--ratios 10] [--json out.json]
 
 Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` or `--text python-reference`
 for another text) with
@@ -25,6 +26,13 @@ ratio; `--timing` measures the whole cost). Methods (`engine.attention_matching.
 their query sources): am-omp and am-highest use repeat + self-study queries, their -fast
 variants repeat queries only; KVzip-style uses repeat queries; SnapKV, H2O and Expected
 Attention score keys with the context's own queries; streaming and random use none.
+
+`--layer-loss` asks where a method's loss comes from: the context compacted by the first of
+`--methods`, then measured with only one layer compacted (the others exact; the compacted layer's
+segment padded to the region's length with masked slots, so every layer keeps its own length),
+layer by layer, beside all layers at once. A loss spread thin over every layer that adds up
+(single-layer losses summing to the whole) says the fit of each layer is the limit, not one
+layer that breaks.
 
 `--timing` measures instead how long each Attention Matching variant takes to compact one
 context of each of `--timing-lengths` tokens (the start of Austen's first novel, 10x), split by
@@ -297,6 +305,67 @@ def stored_bytes(cache, report) -> int:
         return session_files.write_version(folder, version, cache, 0, report.codes).disk_bytes
 
 
+def mixed_cache(full: KVCache, compacted: KVCache, layers: set[int], region: int) -> KVCache:
+    """Row 0 of `full` with the first `region` slots of `layers` replaced by `compacted`'s
+    segment (t slots, then the same recent tail), padded back to `region` slots with masked
+    ones (zero K/V, -inf bias) so every layer keeps `full`'s length; the other layers exact."""
+    out = full.extract_row(0)
+    t = compacted.lengths[0] - (full.lengths[0] - region)
+    keys, values, biases = [], [], []
+    for layer in range(full.num_layers):
+        k = full.keys[layer][0, :, :region]  # [Hkv, region, D]
+        v = full.values[layer][0, :, :region]
+        b = torch.zeros(k.shape[:2], device=k.device)  # [Hkv, region]
+        if layer in layers:
+            k, v, b = torch.zeros_like(k), torch.zeros_like(v), torch.full_like(b, -torch.inf)
+            k[:, :t] = compacted.keys[layer][0, :, :t]
+            v[:, :t] = compacted.values[layer][0, :, :t]
+            b[:, :t] = 0 if compacted.biases is None else compacted.biases[layer][0, :, :t]
+        keys.append(k)
+        values.append(v)
+        biases.append(b)
+    out.replace_prefix(0, region, keys, values, biases)
+    return out
+
+
+def run_layer_loss(model, tok, full, ids, probe, base, captured, args, context) -> list[dict]:
+    """Facts kept with each layer compacted alone, and with all of them (see the module doc)."""
+    method = args.methods[0]
+    region = len(ids) - args.keep_recent
+    rows = []
+    for ratio in args.ratios:
+        target = max(1, round(len(ids) / ratio) - args.keep_recent)
+        compacted = full.extract_row(0)
+        _compact(model, tok, compacted, ids, target, method, args, captured)
+        layers: list[int | str] = ["all", *range(full.num_layers)]
+        for layer in layers:
+            chosen = set(range(full.num_layers)) if layer == "all" else {layer}
+            got = measure(model, mixed_cache(full, compacted, chosen, region), probe, em=False)
+            row = {
+                "context": context,
+                "tokens": len(ids),
+                "method": method,
+                "ratio": ratio,
+                "layer": layer,
+                "facts_kept": kept(base[0]["facts"], base[1]["facts"], got["facts"]),
+                "para_kept": kept(base[0]["para"], base[1]["para"], got["para"]),
+            }
+            rows.append(row)
+            print(
+                f"  {ratio:>4.0f}x {method} layer {layer!s:>3}: facts {row['facts_kept']:+.3f} "
+                f"para {row['para_kept']:+.3f}",
+                flush=True,
+            )
+        lost = {r["layer"]: 1 - r["facts_kept"] for r in rows if r["ratio"] == ratio}
+        whole = lost.pop("all")
+        single = list(lost.values())
+        print(
+            f"  {ratio:>4.0f}x facts lost: all layers {whole:.3f}; one layer alone median "
+            f"{statistics.median(single):.3f}, max {max(single):.3f}, sum {sum(single):.3f}"
+        )
+    return rows
+
+
 def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
     """Seconds per stage of each AM variant at each context length (one run each)."""
     from bench.load import austen_ids
@@ -371,6 +440,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--timing", action="store_true", help="the speed curve instead of fidelity")
+    p.add_argument(
+        "--layer-loss",
+        action="store_true",
+        help="facts kept with one layer compacted at a time (the first of --methods), see above",
+    )
     p.add_argument("--timing-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--timing-ratio", type=float, default=10)
     p.add_argument(
@@ -443,6 +517,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"EM full {base_full['em']:.0f}%",
             flush=True,
         )
+        if args.layer_loss:
+            base = (base_none, base_full)
+            rows += run_layer_loss(model, tok, full, ids, probe, base, captured, args, c)
+            if args.json:
+                save_json(args.json, {"layer_loss": rows})
+            continue
         for ratio in args.ratios:
             region = len(ids) - args.keep_recent
             target = max(1, round(len(ids) / ratio) - args.keep_recent)
@@ -482,6 +562,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{report.seconds['total']:.1f}s",
                     flush=True,
                 )
+    if args.layer_loss:
+        return rows
     summary = summarize(rows, args.ratios, args.methods)
     if args.json:
         save_json(args.json, {"rows": rows, "summary": summary})
