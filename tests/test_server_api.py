@@ -228,11 +228,12 @@ def test_client_disconnect_aborts_the_request(tight):
 def test_ignore_eos_generates_the_whole_budget(base):
     # Hot sampling from a random model: some of 8 samples meet end-of-text within 96 tokens...
     body = {"model": "tiny", "prompt": "q", "max_tokens": 96, "n": 8, "seed": 1, "temperature": 2}
-    plain = httpx.post(f"{base}/v1/completions", json=body, headers=_h()).json()
+    # (a long timeout: 768 tokens may take more than httpx's 5 s on a loaded 2-core machine)
+    plain = httpx.post(f"{base}/v1/completions", json=body, headers=_h(), timeout=120).json()
     assert "stop" in {c["finish_reason"] for c in plain["choices"]}
     # ...and with ignore_eos every one runs to max_tokens.
     body["ignore_eos"] = True
-    forced = httpx.post(f"{base}/v1/completions", json=body, headers=_h()).json()
+    forced = httpx.post(f"{base}/v1/completions", json=body, headers=_h(), timeout=120).json()
     assert {c["finish_reason"] for c in forced["choices"]} == {"length"}
     assert forced["usage"]["completion_tokens"] == 8 * 96
 

@@ -164,7 +164,9 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
     base = default_server
     text = " ".join(PROMPTS[:2]) + " " + "It was a truth universally acknowledged. " * 160
     r = httpx.post(
-        f"{base}/v1/sessions", json={"model": SMOLLM2.name, "id": "long", "prompt": text}
+        f"{base}/v1/sessions",
+        json={"model": SMOLLM2.name, "id": "long", "prompt": text},
+        timeout=120,  # a 1.5K-token prefill: more than httpx's 5 s on a loaded machine
     )
     assert r.status_code == 201 and r.json()["tokens"] > 1000
     done = threading.Event()
