@@ -55,7 +55,11 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
         assert r.status_code == 201, r.text
         info = _settled(url, "grow")
         assert info["physical_tokens"] == 90 and info["compactions"] == []
-        assert info["auto_compact"] == POLICY | {"query_source": None, "quantize": None, "budgets": "uniform"}
+        assert info["auto_compact"] == POLICY | {
+            "query_source": None,
+            "quantize": None,
+            "budgets": "uniform",
+        }
         seen = 0  # compactions so far
         for step in range(6):  # (the logical length must stay within the context: 512)
             before = info["physical_tokens"]
@@ -83,7 +87,11 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
     # The policy is part of the session: it survives a restart.
     with tiny_session_server(tiny_llama_dir, tmp_path) as url:
         again = httpx.get(f"{url}/v1/sessions/grow").json()
-        assert again["auto_compact"] == POLICY | {"query_source": None, "quantize": None, "budgets": "uniform"}
+        assert again["auto_compact"] == POLICY | {
+            "query_source": None,
+            "quantize": None,
+            "budgets": "uniform",
+        }
         assert len(again["compactions"]) == seen
 
 
