@@ -106,9 +106,9 @@ def _row_max(h: HeadInputs) -> Tensor:
 def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = "rms") -> Tensor:
     """[T] each key's attention from the reference queries, aggregated over them."""
     e, m, _ = targets(h)
+    if aggregate == "rms":  # sqrt(mean_i (e_ij / m_i)^2), without the [n, T] softmax
+        return (e.square().T @ m.pow(-2)).div_(e.shape[0]).sqrt_()
     p = e / m[:, None]  # [n, T] the softmax
-    if aggregate == "rms":
-        return p.pow(2).mean(dim=0).sqrt()
     if aggregate == "mean":
         return p.mean(dim=0)
     return p.max(dim=0).values

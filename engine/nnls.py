@@ -127,6 +127,14 @@ def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:
         j = int(grad.argmax())
         if grad[j] <= tol:
             break
+        # Every coordinate whose gradient says it should grow enters at once (block pivoting:
+        # after a warm start a refit's few new keys all enter, one pass instead of one each);
+        # where the step back drops the steepest one again, Lawson-Hanson's single entry, which
+        # always makes progress.
+        trial, block = _enter(gram, rhs, passive, grad > tol, w, ridge)
+        if trial[j]:
+            passive, w = trial, block
+            continue
         passive[j] = True
         w = _feasible(gram, rhs, passive, w, ridge)
     # (Past the cap, which degenerate ties could reach, w is still feasible and no worse than
@@ -137,10 +145,33 @@ def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:
 def _solve_on(gram: Tensor, rhs: Tensor, passive: Tensor, ridge: float) -> Tensor:
     """The least-squares weights restricted to `passive` (zeros elsewhere)."""
     idx = passive.nonzero()[:, 0]
-    sub = gram[idx][:, idx] + ridge * torch.eye(len(idx), dtype=torch.float64)
+    sub = gram.index_select(0, idx).index_select(1, idx)  # a copy: the ridge goes on it
+    sub.diagonal().add_(ridge)
     z = torch.zeros(gram.shape[0], dtype=torch.float64)
-    z[idx] = torch.linalg.solve(sub, rhs[idx])
+    chol, info = torch.linalg.cholesky_ex(sub)  # symmetric positive definite: half an LU
+    if int(info) == 0:
+        z[idx] = torch.cholesky_solve(rhs[idx, None], chol)[:, 0]
+    else:
+        z[idx] = torch.linalg.solve(sub, rhs[idx])
     return z
+
+
+def _enter(
+    gram: Tensor, rhs: Tensor, passive: Tensor, entering: Tensor, w: Tensor, ridge: float
+) -> tuple[Tensor, Tensor]:
+    """(passive set, feasible w) after `entering` joins `passive`: the entrants whose
+    least-squares weight comes out <= 0 leave again first (they are still 0 in w, so stepping
+    back for them would not move at all), then Lawson-Hanson's inner loop."""
+    trial = passive | entering
+    while True:
+        z = _solve_on(gram, rhs, trial, ridge)
+        out = entering & trial & (z <= 0)
+        if not out.any():
+            break
+        trial &= ~out
+    if not (trial & (z <= 0)).any():
+        return trial, z
+    return trial, _feasible(gram, rhs, trial, w, ridge)
 
 
 def _feasible(gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: float) -> Tensor:
