@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compaction_budgets import load_schedule
 from engine.kv_compaction import compact_row, reference_queries
 from engine.kv_quant import PackedCache
 from models.kv_cache import KVCache
@@ -248,15 +249,15 @@ STAGES = ("queries", "keys", "beta", "values", "total")
 
 
 def _parts(method: str) -> tuple[str, str, str | None, str]:
-    """METHOD[:SOURCE][+int8][+attn] -> (method, query source, quantization, budgets); a
-    source may hold a "+" itself (repeat+self-study)."""
+    """METHOD[:SOURCE][+int8][+attn|+measured] -> (method, query source, quantization,
+    budgets); a source may hold a "+" itself (repeat+self-study)."""
     flags: set[str] = set()
-    while (tail := method.rpartition("+")[2]) in ("int8", "attn"):
+    while (tail := method.rpartition("+")[2]) in ("int8", "attn", "measured"):
         flags.add(tail)
         method = method[: -len(tail) - 1]
     name, _, source = method.partition(":")
     quantize = "int8" if "int8" in flags else None
-    budgets = "attention" if "attn" in flags else "uniform"
+    budgets = "attention" if "attn" in flags else "measured" if "measured" in flags else "uniform"
     return name, source or QUERY_SOURCE[name], quantize, budgets
 
 
@@ -281,7 +282,16 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         reference=(captured or {}).get(source),
         quantize=quantize,
         budgets=budgets,
+        schedule=_schedule(model, args) if budgets == "measured" else None,
     )
+
+
+def _schedule(model, args) -> list[list[float]]:
+    """The model's measured budget schedule (engine/budget_schedules/), which must exist."""
+    schedule = load_schedule(Path(args.model).name, model.config)
+    if schedule is None:
+        raise SystemExit(f"no budget schedule for {args.model}: run python -m bench.head_budgets")
+    return schedule
 
 
 def resident_bytes(cache, report) -> int:
@@ -430,9 +440,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=list(QUERY_SOURCE),
-        help="METHOD[:QUERY_SOURCE][+int8][+attn] (e.g. am-highest-fast:on-policy; +int8: the "
-        "compacted segment kept as int8 codes; +attn: the KV heads' budgets by measured "
-        "attention); the default source per method is the one its paper uses",
+        help="METHOD[:QUERY_SOURCE][+int8][+attn|+measured] (e.g. am-highest-fast:on-policy; "
+        "+int8: the compacted segment kept as int8 codes; +attn: the KV heads' budgets by "
+        "measured attention; +measured: by the model's schedule from bench/head_budgets.py); "
+        "the default source per method is the one its paper uses",
     )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)

@@ -32,7 +32,7 @@ class AutoCompact:
     keep_recent: int = 0  # the newest slots, kept exact
     query_source: str | None = None  # None: the method's own
     quantize: str | None = None  # "int8": the compacted segment as int8 codes (kv_quant)
-    budgets: str = "uniform"  # or "attention": per KV head (compaction_budgets)
+    budgets: str = "uniform"  # "attention", "measured": per KV head (compaction_budgets)
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
@@ -47,8 +47,8 @@ class AutoCompact:
             raise ValueError(f"unknown quantization {self.quantize!r}")
         if self.budgets not in BUDGETS:
             raise ValueError(f"unknown budgets {self.budgets!r}")
-        if self.budgets != "uniform" and self.query_source == "on-policy":
-            raise ValueError("non-uniform budgets are not for on-policy queries")
+        if self.budgets == "attention" and self.query_source == "on-policy":
+            raise ValueError("budgets by attention are not for on-policy queries")
         if not 0 <= self.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")

@@ -12,10 +12,19 @@ the fit needs keys to match at all, the ceiling because a segment is as long as 
 head in a cache row (the other heads' extra slots are padding, masked with a -inf bias, which
 costs attention time and, in a running batch, memory; on disk the segment is stored ragged,
 `engine/session_files.py`).
+
+A measured schedule (`budgets="measured"`, the AM paper's idea) goes further: each head's
+share of the total is how much the model's loss depends on that head's slots, measured once
+per model offline (`bench/head_budgets.py`: on calibration texts unlike the evaluation ones,
+one head's budget changed at a time in an otherwise uniform compaction, and the change in the
+answers' NLL recorded) and shipped as a JSON file under `engine/budget_schedules/`
+(`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +34,12 @@ from engine.attention_matching import HeadInputs, highest_attention_scores
 from models.kv_cache import KVCache
 
 ALLOCATION_QUERIES = 512  # per KV head: enough to rank its keys, a quarter of a fit's cost
+SCHEDULES = Path(__file__).parent / "budget_schedules"  # measured schedules, one per model
+
+
+def bounds(target: int, region: int) -> tuple[int, int]:
+    """The fewest and most slots one head may get when the average is `target`."""
+    return max(1, target // 4), min(region, 2 * target)
 
 
 def allocate(
@@ -38,7 +53,7 @@ def allocate(
 ) -> list[list[int]]:
     """Per layer, per KV head, the slots it gets (summing to layers x heads x target), from
     every layer's reference queries [H, n, D]."""
-    low, high = max(1, target // 4), min(region, 2 * target)
+    low, high = bounds(target, region)
     shares: list[Tensor] = []  # per (layer, head): the sorted shares of its ranks
     group = cfg.num_heads // cfg.num_kv_heads
     for layer, q in enumerate(queries):
@@ -77,3 +92,47 @@ def _by_shares(
         counts += torch.bincount(owners[chosen], minlength=len(shares))
     flat = counts.tolist()
     return [flat[i : i + heads] for i in range(0, len(flat), heads)]
+
+
+def from_schedule(shares: list[list[float]], target: int, region: int) -> list[list[int]]:
+    """Per layer, per KV head, its slots: every head `bounds`' least, and what is left of
+    the total (layers x heads x target) in proportion to a measured schedule's shares, no
+    head past the most (its excess goes to the others, in proportion), the rounding
+    remainders to the largest fractions: the total exactly."""
+    flat = torch.tensor([x for layer in shares for x in layer], dtype=torch.float64)
+    if len(flat) == 0 or bool((flat < 0).any()) or not bool(flat.isfinite().all()):
+        raise ValueError("a budget schedule's shares must be finite and >= 0")
+    low, high = bounds(target, region)
+    extra = float(target * len(flat) - low * len(flat))
+    add = torch.zeros(len(flat), dtype=torch.float64)
+    free = torch.ones(len(flat), dtype=torch.bool)
+    while free.any():  # each pass caps at least one more head, or ends
+        left = extra - float(add[~free].sum())
+        weights = torch.where(free, flat, 0.0)
+        if float(weights.sum()) <= 0:  # only heads without a share are left: evenly
+            weights = free.double()
+        add = torch.where(free, weights / float(weights.sum()) * left, add)
+        over = free & (add > high - low)
+        if not over.any():
+            break
+        add[over] = high - low
+        free &= ~over
+    whole = (add + 1e-9).floor().long() + low  # each within [low, high]
+    rest = target * len(flat) - int(whole.sum())  # 0 <= rest < heads
+    fraction = (low + add - whole).masked_fill(whole >= high, -1.0)
+    whole[fraction.argsort(descending=True)[:rest]] += 1
+    heads = len(shares[0])
+    out = whole.tolist()
+    return [out[i : i + heads] for i in range(0, len(out), heads)]
+
+
+def load_schedule(model: str, cfg: Any, folder: Path = SCHEDULES) -> list[list[float]] | None:
+    """The measured shares shipped for `model` (a built-in model's name), or None where there
+    are none or they were measured on a model of another shape."""
+    path = folder / f"{model}.json"
+    if not path.is_file():
+        return None
+    shares = json.loads(path.read_text())["shares"]
+    if len(shares) != cfg.num_layers or any(len(x) != cfg.num_kv_heads for x in shares):
+        return None
+    return shares

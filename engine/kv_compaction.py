@@ -56,7 +56,8 @@ from models.layers import Pace
 from models.transformer import Transformer, new_capture
 
 QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
-BUDGETS = ("uniform", "attention")  # slots per KV head: all alike, or by measured attention
+# Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
+BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.
 CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
 # Each method's reference queries when a request names none: what its paper uses (Attention
@@ -87,7 +88,7 @@ class CompactionReport:
     logical_length: int
     region: int  # slots that were compacted
     target: int  # slots that replaced them, per KV head (on average, non-uniform budgets)
-    budgets: str  # "uniform", or "attention": per head by measured attention
+    budgets: str  # "uniform", "attention" (per head by its attention), "measured" (schedule)
     segment_slots: int  # the segment's length in the row: its longest head's slots
     head_slots: int  # slots the heads hold, all layers and heads together (without padding)
     reference_queries: int
@@ -248,6 +249,7 @@ def compact_row(
     urgent: Callable[[], bool] | None = None,
     quantize: str | None = None,
     budgets: str = "uniform",
+    schedule: list[list[float]] | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -265,8 +267,9 @@ def compact_row(
     segment as int8 codes (`engine.kv_quant`; the report carries them, `codes`).
     `budgets="attention"` gives the KV heads of all layers their shares of the same total by
     measured attention (`engine.compaction_budgets`; not with on-policy queries, which are
-    fitted layer by layer); the segment is then as long as its longest head, the others'
-    extra slots masked."""
+    fitted layer by layer); `budgets="measured"` splits it by the model's measured
+    `schedule` (per layer, per KV head, its share: `compaction_budgets.load_schedule`). The
+    segment is then as long as its longest head, the others' extra slots masked."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or DEFAULT_QUERY_SOURCE[method]
@@ -305,8 +308,12 @@ def compact_row(
         fit.rope = _expected_attention_rope(model, len(context_ids), cache.logical[row])
     if budgets not in BUDGETS:
         raise ValueError(f"unknown budgets {budgets!r}; known: {', '.join(BUDGETS)}")
-    if budgets != "uniform" and query_source == "on-policy":
-        raise ValueError("non-uniform budgets need every layer's queries first: not on-policy")
+    if budgets == "attention" and query_source == "on-policy":
+        raise ValueError("budgets by attention need every layer's queries first: not on-policy")
+    if budgets == "measured":
+        if schedule is None:
+            raise ValueError("this model has no measured budget schedule (budgets)")
+        fit.head_targets = compaction_budgets.from_schedule(schedule, target, region)
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine)

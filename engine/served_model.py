@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine import compaction_budgets
 from engine.ar_engine import AREngine
 from engine.core_share import CoreShare
 from engine.dlm_engine import DLMEngine
@@ -39,6 +40,8 @@ class ServedModel:
     thread: EngineThread  # the engine runs on it; model work goes through it too
     created: int
     max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
+    # Compaction budgets measured for this model (engine/budget_schedules/), if any shipped.
+    budget_schedule: list[list[float]] | None = None
 
     @property
     def is_diffusion(self) -> bool:
@@ -135,4 +138,5 @@ def load_served_model(
         thread=thread,
         created=int(time.time()),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
+        budget_schedule=compaction_budgets.load_schedule(Path(spec).name, ckpt.config),
     )

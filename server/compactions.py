@@ -241,6 +241,7 @@ async def _run(
             urgent=served.thread.has_requests,
             quantize=quantize,
             budgets=budgets,
+            schedule=served.budget_schedule,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

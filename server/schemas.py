@@ -214,5 +214,6 @@ class CompactRequest(BaseModel):
     keep_recent: int = Field(0, ge=0)
     # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).
     quantize: Literal["int8"] | None = None
-    # "attention": the KV heads' slots by measured attention (engine.compaction_budgets).
+    # "attention": the KV heads' slots by measured attention; "measured": by the model's
+    # shipped schedule, 400 where it has none (engine.compaction_budgets).
     budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]

@@ -152,6 +152,12 @@ def _policy(req: SessionCreateRequest, served: ServedModel) -> AutoCompact | Non
             f"({served.max_model_len})",
             param="auto_compact",
         )
+    if policy.budgets == "measured" and served.budget_schedule is None:
+        raise APIError(
+            400,
+            f"model {served.name!r} has no measured budget schedule (auto_compact.budgets)",
+            param="auto_compact",
+        )
     return policy
 
 

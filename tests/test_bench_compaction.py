@@ -1,5 +1,6 @@
-"""bench/compaction.py's --layer-loss cache: one layer's compacted segment beside the other
-layers' exact slots, padded with masked slots so every layer keeps its own length."""
+"""bench/compaction.py's --layer-loss cache (one layer's compacted segment beside the other
+layers' exact slots, padded with masked slots so every layer keeps its own length), and
+bench/head_budgets.py's one-head swaps and schedule solver."""
 
 from __future__ import annotations
 
@@ -18,16 +19,22 @@ def _logits(model, cache, ids: list[int]) -> torch.Tensor:
     return model.logits(model(torch.tensor([ids]), cache=work, commit=False)[0]).float()
 
 
-def test_a_layer_loss_cache_is_exact_where_it_keeps_layers_and_compacted_where_it_swaps(
-    tiny_llama_dir,
-):
-    model, _ = load_model(tiny_llama_dir)
-    context = [(7 * i) % 200 + 3 for i in range(120)]
-    keep_recent, target = 8, 20
-    region = len(context) - keep_recent
+def _prefilled(folder, context: list[int]):
+    """The tiny model and a cache holding `context`."""
+    model, _ = load_model(folder)
     full = model.new_cache(1, len(context) + 16)
     with torch.no_grad():
         model(torch.tensor([context]), cache=full)
+    return model, full
+
+
+def test_a_layer_loss_cache_is_exact_where_it_keeps_layers_and_compacted_where_it_swaps(
+    tiny_llama_dir,
+):
+    context = [(7 * i) % 200 + 3 for i in range(120)]
+    keep_recent, target = 8, 20
+    region = len(context) - keep_recent
+    model, full = _prefilled(tiny_llama_dir, context)
     compacted = full.extract_row(0)
     tok = tiny_models.byte_tokenizer()
     compact_row(model, tok, compacted, 0, context, target, "am-highest-fast", None, keep_recent)
@@ -56,3 +63,41 @@ def test_a_layer_loss_cache_is_exact_where_it_keeps_layers_and_compacted_where_i
     mixed = _logits(model, one, probe)
     assert not torch.allclose(mixed, _logits(model, full, probe), atol=1e-4)
     assert not torch.allclose(mixed, swapped_all, atol=1e-4)
+
+
+def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
+    """bench/head_budgets.py's influence cache: the uniform segment padded to 2t decodes like
+    the compacted cache itself, and swapping one head's segment writes that head alone."""
+    from bench.head_budgets import put_head, segments, swapped_cache
+
+    context = [(5 * i) % 190 + 7 for i in range(120)]
+    keep_recent, target = 8, 12
+    region = len(context) - keep_recent
+    model, full = _prefilled(tiny_llama_dir, context)
+    tok = tiny_models.byte_tokenizer()
+    by_level = {}
+    for t in (target, 2 * target):
+        compacted = full.extract_row(0)
+        compact_row(model, tok, compacted, 0, context, t, "am-highest-fast", None, keep_recent)
+        by_level[t] = (compacted, segments(compacted, t))
+    uniform, base = by_level[target]
+    work = swapped_cache(full, region, base, 2 * target)
+    probe = [5, 17, 42, 99]
+    assert torch.allclose(_logits(model, work, probe), _logits(model, uniform, probe), atol=1e-5)
+    before = [k.clone() for k in work.keys]
+    put_head(work, 1, 0, by_level[2 * target][1][1], 2 * target)
+    for layer, (old, new) in enumerate(zip(before, work.keys, strict=True)):
+        changed = (old != new).any(dim=-1).any(dim=-1)[0]  # [Hkv]: which heads' slots moved
+        assert changed.tolist() == [layer == 1 and h == 0 for h in range(len(changed))]
+    assert not torch.allclose(_logits(model, work, probe), _logits(model, uniform, probe))
+
+
+def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
+    from bench.head_budgets import solve
+
+    # Head 0 loses much at t/2 and gains much at 2t; head 1 neither; head 2 gains from 2t only
+    # a little, and head 3's loss rises with more slots (noise): it gets nothing above t/2.
+    low, high = [0.5, 0.01, 0.05, 0.0], [-0.4, 0.0, -0.02, 0.1]
+    slots = solve(low, high, 10)
+    assert sum(slots) == 40 and slots[0] == 20 and slots[3] == 5
+    assert slots[0] > slots[2] >= slots[1] >= 5

@@ -444,3 +444,70 @@ def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(
         compact_row(
             model, tok, uniform, 0, ids, 8, "am-highest", "on-policy", 8, budgets="attention"
         )
+
+
+def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
+    import random
+
+    from engine.compaction_budgets import bounds, from_schedule
+
+    rng = random.Random(0)
+    for _ in range(300):
+        layers, heads = rng.randint(1, 5), rng.randint(1, 4)
+        shares = [[rng.random() ** rng.choice([1, 6]) for _ in range(heads)] for _ in range(layers)]
+        shares[0][0] = 0.0 if rng.random() < 0.3 else shares[0][0]
+        target = rng.randint(1, 40)
+        region = rng.randint(target, 200)
+        counts = [c for layer in from_schedule(shares, target, region) for c in layer]
+        low, high = bounds(target, region)
+        assert sum(counts) == target * layers * heads
+        assert all(low <= c <= high for c in counts)
+        flat = [x for layer in shares for x in layer]
+        for i in range(len(flat)):  # more share, never fewer slots (up to rounding)
+            for j in range(len(flat)):
+                if flat[i] > flat[j]:
+                    assert counts[i] >= counts[j] - 1
+    # Away from the bounds the split is the shares' proportion: 1 : 3 of what is above t/4.
+    assert from_schedule([[1.0, 3.0]], 40, 1000) == [[10 + 15, 10 + 45]]
+    with pytest.raises(ValueError, match="shares"):
+        from_schedule([[1.0, -1.0]], 10, 100)
+
+
+def test_a_schedule_for_another_shape_is_not_loaded(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from engine.compaction_budgets import load_schedule
+
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3)
+    (tmp_path / "m.json").write_text(json.dumps({"shares": [[0.1] * 3, [0.2] * 3]}))
+    (tmp_path / "wrong.json").write_text(json.dumps({"shares": [[0.1] * 2, [0.2] * 2]}))
+    assert load_schedule("m", cfg, tmp_path) == [[0.1] * 3, [0.2] * 3]
+    assert load_schedule("wrong", cfg, tmp_path) is None
+    assert load_schedule("absent", cfg, tmp_path) is None
+
+
+@pytest.mark.parametrize("source", ["repeat", "on-policy"])
+def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
+    from engine.compaction_budgets import from_schedule
+    from engine.kv_compaction import compact_row
+
+    model, tok = tiny
+    cfg = model.config
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    # Layer 0's first head matters most, the last layer's heads least.
+    shares = [[1.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)]
+    shares[0][0], shares[-1] = 8.0, [0.1] * cfg.num_kv_heads
+    want = from_schedule(shares, 16, 142)
+    cache = _prefilled(model, ids)
+    report = compact_row(
+        model, tok, cache, 0, ids, 16, "am-highest", source, 8, budgets="measured", schedule=shares
+    )
+    assert report.budgets == "measured" and report.head_slots == sum(map(sum, want))
+    assert report.segment_slots == max(max(h) for h in want) == want[0][0]
+    for layer in range(cfg.num_layers):
+        visible = (~torch.isneginf(cache.biases[layer][0, :, : report.segment_slots])).sum(1)
+        assert visible.tolist() == want[layer]  # each head sees exactly its slots
+    assert torch.isfinite(_next_logits(model, cache, 7)).all()
+    with pytest.raises(ValueError, match="no measured budget schedule"):
+        compact_row(model, tok, _prefilled(model, ids), 0, ids, 16, budgets="measured")
