@@ -161,3 +161,21 @@ def test_the_online_bench_feeds_and_compacts_by_the_same_policy(tiny_llama_dir):
     full = feed(model, tiny_models.byte_tokenizer(), ids, args, None)
     assert full["compactions"] == 0 and full["cache"].lengths == [300]
     assert run["bytes"] < full["bytes"] / 2
+
+
+def test_measured_budgets_without_a_schedule_are_refused_and_keep_the_session(
+    tiny_server_sessions,
+):
+    url = tiny_server_sessions
+    created = httpx.post(
+        f"{url}/v1/sessions", json={"model": "tiny", "id": "nosched", "prompt": TEXT}, timeout=60
+    )
+    assert created.status_code == 201, created.text
+    before = httpx.get(f"{url}/v1/sessions/nosched").json()
+    r = httpx.post(
+        f"{url}/v1/sessions/nosched/compact", json={"ratio": 4, "budgets": "measured"}, timeout=60
+    )
+    assert r.status_code == 400 and "schedule" in r.json()["error"]["message"], r.text
+    after = httpx.get(f"{url}/v1/sessions/nosched").json()
+    assert after["physical_tokens"] == before["physical_tokens"] and after["compactions"] == []
+    httpx.delete(f"{url}/v1/sessions/nosched")
