@@ -142,13 +142,19 @@ class _Engine:
         self.jobs += 1
         return self.on_engine(timed)
 
-    def layers(self, stages) -> Iterator[Tensor]:
+    def layers(self, stages, count: int) -> Iterator[Tensor]:
         """Advance a staged forward one piece at a time (`Transformer.forward_stages`); its
-        queries [H, n, D] fp32 (row 0), layer by layer."""
+        queries [H, n, D] fp32 (row 0), layer by layer, for its first `count` layers. Once the
+        last one's are out the forward stops: that layer's attention and MLP would only make
+        hidden states nobody reads (1/layers of the pass)."""
         done = object()
-        while (q := self(lambda: next(stages, done))) is not done:
-            if q is not None:  # None: a pause inside a layer's attention
-                yield q[0].float()
+        for _ in range(count):
+            while (q := self(lambda: next(stages, done))) is None:
+                pass  # a pause inside a layer's attention
+            if q is done:
+                return
+            yield q[0].float()
+        stages.close()
 
 
 def _urgency(on_engine: OnEngine) -> Callable[[], bool]:
@@ -217,12 +223,13 @@ def reference_queries(
         on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
     )
     streams: list[Iterator[Tensor]] = []
+    layers = model.config.num_layers
     if source == "context":
-        streams.append(engine.layers(_stages(model, context_ids, engine.pace)))
+        streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
     if "repeat" in source:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        streams.append(engine.layers(_stages(model, ids, engine.pace, cache, row)))
+        streams.append(engine.layers(_stages(model, ids, engine.pace, cache, row), layers))
     if "self-study" in source:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):
@@ -534,6 +541,6 @@ def _on_policy(
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
     stages = _stages(model, ids, engine.pace, work, 0)
-    for layer, q in enumerate(engine.layers(stages)):
+    for layer, q in enumerate(engine.layers(stages, model.config.num_layers)):
         _splice(work, layer, fit(layer, q), fit.region)
     return len(ids)
