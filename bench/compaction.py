@@ -288,7 +288,7 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
 
 def _schedule(model, args) -> list[list[float]]:
     """The model's measured budget schedule (engine/budget_schedules/), which must exist."""
-    schedule = load_schedule(Path(args.model).name, model.config)
+    schedule = load_schedule(args.model, model.config)
     if schedule is None:
         raise SystemExit(f"no budget schedule for {args.model}: run python -m bench.head_budgets")
     return schedule

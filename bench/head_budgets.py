@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from bench.compaction import answer_nll, make_context, save_json
+from engine.compaction_budgets import schedule_name
 from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
 from models.loading import load_model
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="the schedule JSON (engine/budget_schedules/M.json)")
+    p.add_argument("--out", type=Path, help="the schedule JSON: engine/budget_schedules/NAME.json")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
             + " ".join(f"{x:+.3f}" for x in mean["high"][row])
         )
     result = {
-        "model": Path(args.model).name,
+        "model": schedule_name(args.model),
         "method": args.method,
         "ratio": args.ratio,
         "calibration": {

@@ -126,10 +126,18 @@ def from_schedule(shares: list[list[float]], target: int, region: int) -> list[l
     return [out[i : i + heads] for i in range(0, len(out), heads)]
 
 
-def load_schedule(model: str, cfg: Any, folder: Path = SCHEDULES) -> list[list[float]] | None:
-    """The measured shares shipped for `model` (a built-in model's name), or None where there
-    are none or they were measured on a model of another shape."""
-    path = folder / f"{model}.json"
+def schedule_name(spec: str) -> str:
+    """The file name a model's schedule has: a built-in model's own name (whichever of its
+    names `spec` is), else the last part of the path or hub id."""
+    from models.sources import BUILTIN
+
+    return BUILTIN[spec].name if spec in BUILTIN else Path(spec).name
+
+
+def load_schedule(spec: str, cfg: Any, folder: Path = SCHEDULES) -> list[list[float]] | None:
+    """The measured shares shipped for the model `spec` names (`schedule_name`), or None where
+    there are none or they were measured on a model of another shape."""
+    path = folder / f"{schedule_name(spec)}.json"
     if not path.is_file():
         return None
     shares = json.loads(path.read_text())["shares"]

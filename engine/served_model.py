@@ -138,5 +138,5 @@ def load_served_model(
         thread=thread,
         created=int(time.time()),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
-        budget_schedule=compaction_budgets.load_schedule(Path(spec).name, ckpt.config),
+        budget_schedule=compaction_budgets.load_schedule(spec, ckpt.config),
     )

@@ -511,3 +511,17 @@ def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
     assert torch.isfinite(_next_logits(model, cache, 7)).all()
     with pytest.raises(ValueError, match="no measured budget schedule"):
         compact_row(model, tok, _prefilled(model, ids), 0, ids, 16, budgets="measured")
+
+
+def test_the_default_model_ships_a_schedule_of_its_shape_under_either_name():
+    from types import SimpleNamespace
+
+    from engine.compaction_budgets import load_schedule, schedule_name
+
+    assert schedule_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert schedule_name("/models/my-model") == "my-model"
+    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3)  # its config's shape
+    shares = load_schedule("HuggingFaceTB/SmolLM2-135M-Instruct", smollm2)
+    assert shares == load_schedule("smollm2-135m-instruct", smollm2)
+    assert shares is not None and abs(sum(map(sum, shares)) - 1) < 1e-9
+    assert min(min(layer) for layer in shares) > 0  # every head keeps some slots
