@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.compaction import answer_nll, make_context, save_json
+from bench.compaction import QUERY_SOURCE, answer_nll, make_context, save_json
 from engine.compaction_budgets import schedule_name
 from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
@@ -187,7 +187,7 @@ def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: i
     full = model.new_cache(1, len(ids) + 64)
     with torch.no_grad():
         model(torch.tensor([ids], device=model.device), cache=full)
-    source = "repeat" if method.endswith("-fast") else "repeat+self-study"
+    source = QUERY_SOURCE[method]  # the fidelity bench's source for the method
     queries = list(reference_queries(model, tok, full, 0, ids, source))
     levels = {"low": max(1, target // 2), "base": target, "high": min(region, 2 * target)}
     segs = {}
