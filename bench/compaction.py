@@ -54,7 +54,7 @@ import torch
 
 from engine.compaction_budgets import load_schedule
 from engine.kv_compaction import compact_row, reference_queries
-from engine.kv_quant import PackedCache
+from engine.packed_cache import PackedCache
 from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
@@ -295,9 +295,10 @@ def _schedule(model, args) -> list[list[float]]:
 
 
 def resident_bytes(cache, report) -> int:
-    """What the compacted row takes in a session store's memory: its int8 codes and the rest
-    when the segment is quantized (`PackedCache`), else its dense slots (padding included)."""
-    if report.codes is None:
+    """What the compacted row takes in a session store's memory between requests: packed
+    (`PackedCache`: no padding of non-uniform budgets, int8 codes where quantized) where that
+    is smaller, as the store keeps it, else its dense slots."""
+    if not PackedCache.saves_memory(cache, report.codes):
         return cache.nbytes(0)
     return PackedCache.pack(cache, report.codes).nbytes()
 

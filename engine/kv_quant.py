@@ -9,8 +9,8 @@ element is within scale / 2 of its original. The per-key biases (beta) stay fp32
 
 The codes are the segment's truth from its compaction on: the session's dense cache holds
 their dequantized values (what every request computes with), the disk holds the codes
-(`engine/session_files.py`), and an idle session in memory may hold only the codes and its
-uncompacted tail (`PackedCache`), unpacked when next used. At 64-wide heads the codes and
+(`engine/session_files.py`), and an idle session in memory holds only the codes and the rest of
+its cache (`engine.packed_cache`), unpacked when next used. At 64-wide heads the codes and
 scales take 0.52x of bf16 and 0.26x of fp32 for keys and values.
 """
 
@@ -82,53 +82,3 @@ def restore(cache: KVCache, segment: QuantizedSegment, row: int = 0) -> None:
         keys, values = segment.layer(layer, k_buf.dtype, k_buf.device)
         k_buf[row, :, :t] = keys
         v_buf[row, :, :t] = values
-
-
-@dataclass(slots=True)
-class PackedCache:
-    """An idle session's cache with its compacted segment as codes only: the codes, and the
-    batch-1 cache of the slots after them (with every slot's bias)."""
-
-    segment: QuantizedSegment
-    tail: KVCache  # slots [t, length), their logical length that of the whole row
-    biases: list[Tensor]  # fp32 [Hkv, t] per layer: the segment's betas
-
-    @classmethod
-    def pack(cls, cache: KVCache, segment: QuantizedSegment) -> PackedCache:
-        """A batch-1 cache whose first slots are `segment`'s dequantized codes."""
-        t, n = segment.slots, cache.lengths[0]
-        tail = KVCache(
-            keys=[k[:, :, t:n].clone() for k in cache.keys],
-            values=[v[:, :, t:n].clone() for v in cache.values],
-            lengths=[n - t],
-            logical=[cache.logical[0]],
-            biases=None if cache.biases is None else [b[:, :, t:n].clone() for b in cache.biases],
-        )
-        assert cache.biases is not None, "a compacted segment has biases"
-        biases = [b[0, :, :t].clone() for b in cache.biases]
-        return cls(segment, tail, biases)
-
-    def nbytes(self) -> int:
-        beta = sum(b.numel() * b.element_size() for b in self.biases)
-        return self.segment.nbytes() + beta + self.tail.nbytes(0)
-
-    def unpack(self) -> KVCache:
-        """The dense batch-1 cache again (room to grow, as a cache read from disk has)."""
-        t, rest = self.segment.slots, self.tail.lengths[0]
-        n = t + rest
-        k0 = self.tail.keys[0]
-        heads, dim = k0.shape[1], k0.shape[3]
-        capacity = max(64, 2 * n)
-        cache = KVCache.allocate(self.tail.num_layers, 1, heads, dim, capacity, k0.device, k0.dtype)
-        cache.biases = [
-            torch.zeros(1, heads, capacity, device=k0.device) for _ in range(cache.num_layers)
-        ]
-        for layer in range(cache.num_layers):
-            cache.keys[layer][0, :, t:n] = self.tail.keys[layer][0, :, :rest]
-            cache.values[layer][0, :, t:n] = self.tail.values[layer][0, :, :rest]
-            cache.biases[layer][0, :, :t] = self.biases[layer].to(k0.device)
-            if self.tail.biases is not None:
-                cache.biases[layer][0, :, t:n] = self.tail.biases[layer][0, :, :rest]
-        cache.lengths, cache.logical = [n], [self.tail.logical[0]]
-        restore(cache, self.segment)
-        return cache

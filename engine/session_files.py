@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine import ragged
 from engine.kv_quant import QuantizedSegment
 from models.fetch import fsync_dir
 from models.kv_cache import KVCache
@@ -152,9 +153,9 @@ def _write_segment(
             part["k"], part["v"] = keys[:, start:end].cpu(), values[:, start:end].cpu()
         if bias is not None:
             part["b"] = bias[:, start:end].cpu()
-            visible = ~torch.isneginf(part["b"])  # [Hkv, n]
-            if not bool(visible.all()):
-                part = {name: t[visible] for name, t in part.items()}  # [sum, ...]
+            visible = ragged.visible_slots(part["b"])  # [Hkv, n] or None
+            if visible is not None:
+                part = ragged.squeeze(part, visible)  # [sum, ...]
                 tensors[f"m.{layer}"] = visible
         tensors |= {f"{name}.{layer}": t.contiguous() for name, t in part.items()}
     tmp = _tmp_name(path)
@@ -302,10 +303,8 @@ def _unragged(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             flat = part.get(f"{kind}.{layer}")
             if flat is None:
                 continue
-            fill = float("-inf") if kind == "b" else 0
-            full = flat.new_full((*visible.shape, *flat.shape[1:]), fill)
-            full[visible] = flat
-            part[f"{kind}.{layer}"] = full
+            fill = float("-inf") if kind == "b" else 0.0
+            part[f"{kind}.{layer}"] = ragged.unsqueeze(flat, visible, fill)
     return part
 
 

@@ -34,7 +34,8 @@ import torch
 
 from engine import session_files
 from engine.auto_compaction import AutoCompact
-from engine.kv_quant import PackedCache, QuantizedSegment
+from engine.kv_quant import QuantizedSegment
+from engine.packed_cache import PackedCache
 from engine.session_files import CorruptSession, Version
 from engine.session_mirror import SessionMirror, stamp
 from models.kv_cache import KVCache
@@ -81,7 +82,8 @@ class Session:
     auto_compact: AutoCompact | None = None  # compacts itself past a size (auto_compaction)
     auto_pending: bool = False  # an online compaction is due and not yet done
     # The compacted segment as int8 codes (engine.kv_quant), if the compaction quantized it,
-    # and, while the session is idle, its cache packed as those codes and the rest.
+    # and, while the session is idle, its cache packed (engine.packed_cache: without the
+    # padding of non-uniform budgets, the codes instead of their values; codes then None).
     codes: QuantizedSegment | None = None
     packed: PackedCache | None = None
     created: float = field(default_factory=time.time)
@@ -133,9 +135,12 @@ class Session:
         cache = self.cache
         physical = cache.lengths[0] if cache is not None else None
         if physical is None and self.packed is not None:
-            physical = self.codes.slots + self.packed.tail.lengths[0] if self.codes else None
+            physical = self.packed.length
         if physical is None and self.version is not None:
             physical = self.version.length
+        quantized = self.codes.slots if self.codes is not None else None
+        if self.packed is not None and self.packed.quantized:
+            quantized = self.packed.quantized
         return {
             "id": self.id,
             "object": "session",
@@ -147,7 +152,7 @@ class Session:
             "bytes": self.nbytes(),
             "disk_bytes": 0 if self.version is None else self.version.disk_bytes,
             "in_memory": cache is not None or self.packed is not None,
-            "quantized_tokens": None if self.codes is None else self.codes.slots,
+            "quantized_tokens": quantized,
             "compactions": self.compactions,
             "auto_compact": None if self.auto_compact is None else self.auto_compact.to_json(),
             "auto_compact_pending": self.auto_pending,
@@ -356,19 +361,23 @@ class SessionStore:
             )
 
     def enforce_limit(self) -> None:
-        """Pack idle sessions whose compacted segment is quantized (their codes stand for it in
-        memory), then drop least recently used idle caches from memory until they fit the
-        bound (each is on disk first; one the disk refuses stays in memory). Blocking I/O: not
-        for the event loop."""
+        """Pack idle sessions whose cache has codes or padding (`PackedCache`: fewer bytes until
+        their next request), then drop least recently used idle caches from memory until they
+        fit the bound (each is on disk first; one the disk refuses stays in memory). Blocking
+        I/O: not for the event loop."""
         with self._lock:
             candidates = [s for s in self._sessions.values() if s.cache is not None]
         for session in candidates:
-            if session.codes is not None and not session.dirty and session.lock.acquire(False):
-                try:
-                    session.packed = PackedCache.pack(session.cache, session.codes)
-                    session.cache = None
-                finally:
-                    session.lock.release()
+            if not session.lock.acquire(blocking=False):
+                continue  # in use
+            try:
+                cache = session.cache
+                clean = cache is not None and not session.dirty  # on disk as it is
+                if clean and PackedCache.saves_memory(cache, session.codes):
+                    session.packed = PackedCache.pack(cache, session.codes)
+                    session.cache = session.codes = None
+            finally:
+                session.lock.release()
         with self._lock:
             candidates = [
                 s for s in self._sessions.values() if s.cache is not None or s.packed is not None
@@ -392,7 +401,7 @@ class SessionStore:
         """The session's cache, unpacked or read back from disk if it was packed or spilled
         (hold its lock)."""
         if session.cache is None and session.packed is not None:
-            session.cache, session.packed = session.packed.unpack(), None
+            (session.cache, session.codes), session.packed = session.packed.unpack(), None
         if session.cache is None and session.version is not None and session.version.segments:
             session.cache, session.codes = session_files.read_cache(
                 self.folder(session.id), session.version, device, dtype

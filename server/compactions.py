@@ -148,7 +148,7 @@ async def compact(
             req.quantize,
             req.budgets,
         )
-    await spill(state.sessions)  # idle now: packed (int8) or spilled as the bound says
+    await spill(state.sessions)  # idle now: packed (int8, ragged) or spilled as the bound says
     return body
 
 

@@ -401,24 +401,26 @@ def test_masked_padding_slots_change_nothing(tiny, fused):
         torch.testing.assert_close(a, b, atol=1e-5 if not fused else 2e-2, rtol=1e-4)
 
 
+def _non_uniform(model, tok, seed: int, quantize: str | None = None):
+    """150 random tokens compacted to 16 slots per head on average with budgets by attention
+    (so the heads differ, the shorter ones padded), the last 8 kept: (ids, cache, report)."""
+    from engine.kv_compaction import compact_row
+
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(seed)).tolist()
+    cache = _prefilled(model, ids)
+    report = compact_row(
+        model, tok, cache, 0, ids, 16, "am-highest", keep_recent=8, quantize=quantize,
+        budgets="attention",
+    )  # fmt: skip
+    return ids, cache, report
+
+
 def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(tiny, tmp_path):
     from engine import session_files
     from engine.kv_compaction import compact_row
 
     model, tok = tiny
-    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).tolist()
-    cache = _prefilled(model, ids)
-    report = compact_row(
-        model,
-        tok,
-        cache,
-        0,
-        ids,
-        target=16,
-        method="am-highest",
-        keep_recent=8,
-        budgets="attention",
-    )
+    ids, cache, report = _non_uniform(model, tok, seed=6)
     heads = model.config.num_layers * model.config.num_kv_heads
     assert report.head_slots == heads * 16 and report.segment_slots > 16
     assert cache.lengths == [report.segment_slots + 8]
@@ -444,6 +446,59 @@ def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(
         compact_row(
             model, tok, uniform, 0, ids, 8, "am-highest", "on-policy", 8, budgets="attention"
         )
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_idle_non_uniform_session_rests_ragged_in_memory_and_unpacks_exactly(
+    tiny, tmp_path, quantize
+):
+    """Between requests the store keeps a non-uniform session without its padding (and as
+    int8 codes where quantized): it takes the bytes of its visible slots (the ragged layout the
+    disk has too), and comes back slot for slot, decoding exactly as before."""
+    from engine.packed_cache import PackedCache
+    from engine.session_store import SessionStore
+
+    model, tok = tiny
+    ids, cache, report = _non_uniform(model, tok, seed=7, quantize=quantize)
+    cfg = model.config
+    visible = sum(int((~torch.isneginf(b[0, :, : cache.lengths[0]])).sum()) for b in cache.biases)
+    assert visible == report.head_slots + cfg.num_layers * cfg.num_kv_heads * 8
+    assert visible < cfg.num_layers * cfg.num_kv_heads * cache.lengths[0]  # it has padding
+    store = SessionStore(tmp_path, max_bytes=1 << 30)
+    session = store.create("tiny", "s")
+    with session.lock:
+        session.rewrite(cache.extract_row(0), list(ids), codes=report.codes)
+        store.persist(session)
+    store.enforce_limit()  # idle and on disk: packed, still in memory
+    assert session.cache is None and session.codes is None and session.packed is not None
+    described = session.describe()
+    assert described["in_memory"] and described["physical_tokens"] == cache.lengths[0]
+    assert described["quantized_tokens"] == (None if quantize is None else report.codes.slots)
+    dim, itemsize = cfg.head_dim, cache.keys[0].element_size()
+    mask = cfg.num_layers * cfg.num_kv_heads * cache.lengths[0]  # one bool per slot and head
+    heads = cfg.num_layers * cfg.num_kv_heads
+    if quantize is None:  # K and V, 4 bytes of bias, per visible slot and head; the masks
+        assert described["bytes"] == visible * (2 * dim * itemsize + 4) + mask
+    else:  # the segment's visible slots as codes (K, V, a value scale, the bias), the
+        # per-channel key scales, the recent slots as they are, the masks
+        coded = report.head_slots * (2 * dim + 4 + 4) + heads * dim * 4
+        assert described["bytes"] == coded + heads * 8 * (2 * dim * itemsize + 4) + mask
+    assert described["bytes"] < cache.nbytes(0)  # what it took in memory, padded and dense
+    with session.lock:
+        back = store.load(session, torch.device("cpu"), torch.float32)
+    assert session.packed is None and back.lengths == cache.lengths
+    assert back.logical == cache.logical
+    for layer in range(cfg.num_layers):
+        for got, want in zip(back.read(0, layer), cache.read(0, layer), strict=True):
+            assert torch.equal(got, want)
+    if quantize is not None:
+        for layer in range(cfg.num_layers):
+            assert torch.equal(session.codes.keys[layer], report.codes.keys[layer])
+            assert torch.equal(session.codes.values[layer], report.codes.values[layer])
+    assert torch.equal(_next_logits(model, back, 7), _next_logits(model, cache, 7))
+    assert PackedCache.saves_memory(back, None) and not PackedCache.saves_memory(
+        _prefilled(model, ids), None
+    )
 
 
 def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():

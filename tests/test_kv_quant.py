@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_session_server
 from engine import session_files
-from engine.kv_quant import LEVELS, PackedCache, quantize_prefix
+from engine.kv_quant import LEVELS, quantize_prefix
+from engine.packed_cache import PackedCache
 from models.kv_cache import KVCache
 
 
@@ -67,7 +68,8 @@ def test_codes_are_stable_and_packing_is_lossless(dtype):
     # int8 codes, plus scales that are a large share at this tiny head size (16 channels)
     assert codes.nbytes() <= (0.33 if dtype == torch.float32 else 0.66) * dense_prefix
     assert packed.nbytes() == cache.nbytes(0) - dense_prefix + codes.nbytes()
-    back = packed.unpack()
+    back, back_codes = packed.unpack()
+    assert back_codes is not None and torch.equal(back_codes.values[2], codes.values[2])
     assert (back.lengths, back.logical) == (cache.lengths, cache.logical)
     for layer in range(3):
         for got, want in zip(back.read(0, layer), cache.read(0, layer), strict=True):

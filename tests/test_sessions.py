@@ -86,6 +86,34 @@ def test_compaction_and_restart(tiny_llama_dir, tmp_path):
         )
 
 
+def test_a_non_uniform_session_rests_ragged_and_answers_alike(tiny_llama_dir, tmp_path):
+    """Budgets that differ per head pad the shorter heads while a request runs; at rest (in
+    memory between requests, on disk) the session takes the bytes of a uniform one with the
+    same total slots plus a mask bit per slot and head, and answers the same after a restart."""
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    heads = cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    body = {"ratio": 4, "method": "am-highest", "keep_recent": 16}
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        for sid, budgets in (("uniform", "uniform"), ("ragged", "attention")):
+            httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": sid, "prompt": CONTEXT})
+            r = httpx.post(
+                f"{url}/v1/sessions/{sid}/compact", json=body | {"budgets": budgets}, timeout=300
+            )
+            assert r.status_code == 200, r.text
+        uniform = httpx.get(f"{url}/v1/sessions/uniform").json()
+        ragged = httpx.get(f"{url}/v1/sessions/ragged").json()
+        assert ragged["physical_tokens"] > uniform["physical_tokens"]  # padded while in use
+        assert ragged["in_memory"] and uniform["in_memory"]
+        assert ragged["bytes"] == uniform["bytes"] + heads * ragged["physical_tokens"]
+        assert ragged["disk_bytes"] < uniform["disk_bytes"] * 1.1
+        before = _complete(url, prompt="Q:", session_id="ragged", append=False).json()
+        assert httpx.get(f"{url}/v1/sessions/ragged").json()["bytes"] == ragged["bytes"]
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:  # from the ragged files
+        after = _complete(url, prompt="Q:", session_id="ragged", append=False).json()
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert httpx.get(f"{url}/v1/sessions/ragged").json()["bytes"] == ragged["bytes"]
+
+
 def test_openai_client_creates_compacts_and_continues_a_session(base):
     """What a user of the official SDK does: custom routes through client.post/get, the
     completion with extra_body={"session_id": ...}."""
