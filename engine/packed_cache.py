@@ -85,10 +85,10 @@ class PackedCache:
         return sum(t.numel() * t.element_size() for part in self.layers for t in part.values())
 
     def unpack(self) -> tuple[KVCache, QuantizedSegment | None]:
-        """The dense batch-1 cache again (room to grow, as a cache read from disk has) and
+        """The dense batch-1 cache again, as long as its slots (as one read from disk), and
         the codes of its first slots (None if it has none)."""
         n, q = self.length, self.quantized
-        capacity = max(64, 2 * n)
+        capacity = max(1, n)
         cache = KVCache.allocate(
             len(self.layers), 1, self.heads, self.dim, capacity, self.device, self.dtype
         )

@@ -272,7 +272,9 @@ def read_cache(
         for i in range(layers):  # the dense cache holds the codes' values
             parts[0][f"k.{i}"], parts[0][f"v.{i}"] = codes.layer(i, dtype, torch.device("cpu"))
     n = version.length
-    capacity = max(64, n * 2)
+    # Exactly its slots: a request copies the session into the engine's batch cache, and what
+    # writes past them (a compaction's reference pass) grows the buffers itself.
+    capacity = max(1, n)
     has_bias = any("b.0" in p for p in parts)
 
     def join(prefix: str, layer: int, dt: torch.dtype) -> torch.Tensor:

@@ -105,7 +105,7 @@ class Session:
     def nbytes(self) -> int:
         if self.packed is not None:
             return self.packed.nbytes()
-        return 0 if self.cache is None else self.cache.nbytes(0)
+        return 0 if self.cache is None else self.cache.allocated_bytes()
 
     # ---- changes (the caller holds the lock) -----------------------------------------------
     def extend(self, cache: KVCache, new_tokens: list[int], next_input: int | None) -> None:

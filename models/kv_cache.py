@@ -82,6 +82,29 @@ class KVCache:
         rows = self.lengths if row is None else [self.lengths[row]]
         return per_slot * sum(rows)
 
+    def allocated_bytes(self) -> int:
+        """Bytes the buffers take, every row and every slot of capacity: what memory really
+        holds (`nbytes` counts the committed slots only)."""
+        buffers = [*self.keys, *self.values, *(self.biases or [])]
+        return sum(t.numel() * t.element_size() for t in buffers)
+
+    def trim(self) -> None:
+        """Shrink every layer's buffers to the longest row's committed slots (at least one):
+        gives back what forwards grew them to for scratch slots, e.g. a compaction's reference
+        pass, which runs the whole context again on this cache. Views of the old buffers
+        (`rows`) keep the old storage."""
+        capacity = max(1, *self.lengths)
+        if capacity >= self.capacity:
+            return
+
+        def cut(t: Tensor) -> Tensor:
+            return t[:, :, :capacity].clone()
+
+        self.keys = [cut(t) for t in self.keys]
+        self.values = [cut(t) for t in self.values]
+        if self.biases is not None:
+            self.biases = [cut(t) for t in self.biases]
+
     def ensure_capacity(self, needed: int) -> None:
         """Grow every layer's buffers (doubling) so that `needed` slots fit."""
         if needed <= self.capacity:

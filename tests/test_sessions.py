@@ -71,6 +71,12 @@ def test_compaction_and_restart(tiny_llama_dir, tmp_path):
         assert set(report["seconds"]) >= {"queries", "keys", "beta", "values", "total"}
         info = httpx.get(f"{url}/v1/sessions/doc").json()
         assert info["physical_tokens"] == report["tokens_after"] and len(info["compactions"]) == 1
+        # What memory holds is what is left: the reference pass grew the buffers to the context
+        # run twice, and the compaction gives that back (fp32 K and V, a bias, per slot/head).
+        cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+        heads = cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        assert info["bytes"] == info["physical_tokens"] * heads * (2 * head_dim * 4 + 4)
         before = _complete(url, prompt="Q:", session_id="doc", append=False).json()
         metrics = httpx.get(f"{url}/metrics").text
         assert 'cdlm_serve:compaction_seconds_count{method="am-highest"} 1.0' in metrics
