@@ -247,7 +247,9 @@ async def _run(
         raise APIError(400, str(e)) from None
     body = report.to_dict() | {"auto": auto}
     session.compactions.append(body)
-    cache.trim()  # the reference pass grew it to ~2x the context; it now holds t + recent
+    # The reference pass grew it to ~2x the context; it now holds t + recent (a copy of what
+    # is left, off the event loop).
+    await asyncio.to_thread(cache.trim)
     session.rewrite(cache, codes=report.codes)
     await persist(state.sessions, session)
     state.metrics.compaction_seconds.labels(method).observe(report.seconds["total"])
