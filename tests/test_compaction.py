@@ -475,14 +475,15 @@ def test_an_idle_non_uniform_session_rests_ragged_in_memory_and_unpacks_exactly(
     assert described["in_memory"] and described["physical_tokens"] == cache.lengths[0]
     assert described["quantized_tokens"] == (None if quantize is None else report.codes.slots)
     dim, itemsize = cfg.head_dim, cache.keys[0].element_size()
-    mask = cfg.num_layers * cfg.num_kv_heads * cache.lengths[0]  # one bool per slot and head
     heads = cfg.num_layers * cfg.num_kv_heads
+    mask = heads * cache.lengths[0]  # one bool per slot and head
     if quantize is None:  # K and V, 4 bytes of bias, per visible slot and head; the masks
         assert described["bytes"] == visible * (2 * dim * itemsize + 4) + mask
     else:  # the segment's visible slots as codes (K, V, a value scale, the bias), the
-        # per-channel key scales, the recent slots as they are, the masks
+        # per-channel key scales, its masks; the recent slots as they are (no padding there)
         coded = report.head_slots * (2 * dim + 4 + 4) + heads * dim * 4
-        assert described["bytes"] == coded + heads * 8 * (2 * dim * itemsize + 4) + mask
+        coded += heads * report.codes.slots  # the segment's masks
+        assert described["bytes"] == coded + heads * 8 * (2 * dim * itemsize + 4)
     assert described["bytes"] < cache.nbytes(0)  # what it took in memory, padded and dense
     with session.lock:
         back = store.load(session, torch.device("cpu"), torch.float32)
