@@ -4,6 +4,13 @@
    - context: the context's own queries (one causal prefill of it);
    - repeat: the queries of an instruction to repeat the context followed by the context
      again, run against the row's real cache (nothing is committed);
+   - repeat-banded: the same pass with each repeated token attending only near its own
+     original (`models.attention.Band`: REPEAT_WINDOW slots either side, the first slots, the
+     instruction, its last REPEAT_WINDOW repeated tokens): a repeat mostly reads the token it
+     copies, and the fits still score every key exactly for these queries. O(T x window)
+     attention instead of O(T^2): at 4K tokens on 2 CPU cores the pass takes 8 s instead of 18.
+     The -fast variants' default. A row compacted before no longer lines up with the repeat
+     (its first slots stand for more tokens than they are): it takes the full pass;
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
    - on-policy: the repeat queries again, but layer l's are taken with layers < l already
@@ -51,21 +58,31 @@ from engine.attention_matching import (
     relative_output_error,
 )
 from engine.kv_quant import QuantizedSegment, quantize_prefix
+from models.attention import Band
 from models.kv_cache import KVCache
 from models.layers import Pace
 from models.transformer import Transformer, new_capture
 
-QUERY_SOURCES = ("context", "repeat", "self-study", "repeat+self-study", "on-policy")
+QUERY_SOURCES = (
+    "context",
+    "repeat",
+    "repeat-banded",
+    "self-study",
+    "repeat+self-study",
+    "on-policy",
+)
+REPEAT_WINDOW = 512  # repeat-banded: the slots either side of a repeated token's original
 # Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
 BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.
 CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
 # Each method's reference queries when a request names none: what its paper uses (Attention
-# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
-# context's own; streaming and random score nothing, the context's queries measure them).
+# Matching and KVzip: the repeat-the-context queries, banded for the -fast variants; the
+# prefill-time baselines: the context's own; streaming and random score nothing, the
+# context's queries measure them).
 DEFAULT_QUERY_SOURCE = {
     m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
-}
+} | {"am-omp-fast": "repeat-banded", "am-highest-fast": "repeat-banded"}
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
 
@@ -165,16 +182,33 @@ def _urgency(on_engine: OnEngine) -> Callable[[], bool]:
 
 
 def _stages(
-    model: Transformer, ids: list[int], pace: Pace, cache: KVCache | None = None, row: int = 0
+    model: Transformer,
+    ids: list[int],
+    pace: Pace,
+    cache: KVCache | None = None,
+    row: int = 0,
+    band: Band | None = None,
 ):
     """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
-    a cache row (attending to its real slots, committing nothing). Nothing runs the model yet
-    (the cache, locked by the caller and used by no one else, grows here, off the engine)."""
+    a cache row (attending to its real slots, or those of the `band`, committing nothing).
+    Nothing runs the model yet (the cache, locked by the caller and used by no one else, grows
+    here, off the engine)."""
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
         return model.forward_stages(tokens, pace=pace)
     cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
-    return model.forward_stages(tokens, cache=cache, rows=(row, row + 1), commit=False, pace=pace)
+    return model.forward_stages(
+        tokens, cache=cache, rows=(row, row + 1), commit=False, pace=pace, band=band
+    )
+
+
+def repeat_band(cache: KVCache, row: int, lead: int) -> Band | None:
+    """The band of a repeat pass over `row` after a `lead`-token instruction (repeated token
+    r is the one cached at slot r), or None where the row's slots no longer line up with its
+    tokens (compacted before)."""
+    if cache.logical[row] != cache.lengths[row]:
+        return None
+    return Band(window=REPEAT_WINDOW, offset=-lead, lead=lead)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -226,11 +260,14 @@ def reference_queries(
     layers = model.config.num_layers
     if source == "context":
         streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
-    if "repeat" in source:
+    parts = source.split("+")
+    if "repeat" in parts or "repeat-banded" in parts:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        streams.append(engine.layers(_stages(model, ids, engine.pace, cache, row), layers))
-    if "self-study" in source:
+        band = repeat_band(cache, row, len(instruction)) if "repeat-banded" in parts else None
+        stages = _stages(model, ids, engine.pace, cache, row, band)
+        streams.append(engine.layers(stages, layers))
+    if "self-study" in parts:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):
         yield torch.cat(parts, dim=1)

@@ -78,6 +78,33 @@ class AttentionPattern:
         return self.block_index(k_pos)[:, None, :] <= self.block_index(q_pos)[:, :, None]
 
 
+@dataclass(frozen=True, slots=True)
+class Band:
+    """Banded attention for a continuation whose new tokens line up with cached slots (a
+    compaction's repeat pass: repeated token r is the one cached at slot r). New token i sees
+    the cached slots [0, sinks) and those within `window` of slot i + offset, the first `lead`
+    new tokens (the instruction before the repeat), and the new tokens [i - window, i]. An
+    approximation of the full causal continuation, for reference queries only: attention
+    then costs O(Q x window) instead of O(Q x K)."""
+
+    window: int
+    offset: int
+    lead: int = 0
+    sinks: int = 4
+
+    def visible(self, start: int, stop: int, q_len: int, key_len: int, device) -> Tensor:
+        """bool [stop - start, key_len]: which keys new tokens [start, stop) of Q = q_len see
+        (the keys end with the new tokens)."""
+        cached = key_len - q_len
+        i = torch.arange(start, stop, device=device)[:, None]  # [c, 1]
+        slot = torch.arange(key_len, device=device)[None, :]  # [1, K]
+        near_slot = (slot - (i + self.offset)).abs() <= self.window
+        in_cache = (slot < self.sinks) | near_slot
+        new = slot - cached  # the new-token index of slots >= cached
+        in_new = ((new < self.lead) | (new >= i - self.window)) & (new <= i)
+        return torch.where(slot < cached, in_cache, in_new)
+
+
 @dataclass(slots=True)
 class AttentionMask:
     """What every layer's SDPA call needs for one forward.
@@ -91,16 +118,22 @@ class AttentionMask:
     visible: Tensor | None
     is_causal: bool
     key_len: int
+    band: Band | None = None  # narrows what each query sees further (`Band`)
 
     def rows(self, start: int, stop: int, q_len: int, device: torch.device) -> AttentionMask:
         """The mask of queries [start, stop) of the Q = q_len new tokens (attention computed in
-        query chunks), SDPA's causal flag turned into an explicit boolean mask: query i sees
-        keys up to key_len - q_len + i (the keys end with the new tokens)."""
+        query chunks), SDPA's causal flag (and the band) turned into an explicit boolean mask:
+        query i sees keys up to key_len - q_len + i (the keys end with the new tokens)."""
         if self.visible is not None:
-            return AttentionMask(self.visible[:, :, start:stop], False, self.key_len)
-        if not self.is_causal:
+            visible = self.visible[:, :, start:stop]
+        elif self.is_causal:
+            visible = causal_rows(start, stop, q_len, self.key_len, device)
+        elif self.band is None:
             return self
-        visible = causal_rows(start, stop, q_len, self.key_len, device)
+        else:
+            visible = torch.ones(1, 1, stop - start, self.key_len, dtype=torch.bool, device=device)
+        if self.band is not None:
+            visible = visible & self.band.visible(start, stop, q_len, self.key_len, device)
         return AttentionMask(visible, False, self.key_len)
 
 

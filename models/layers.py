@@ -141,7 +141,8 @@ class Attention(nn.Module):
         (`run_through`)."""
         k, v, bias = self._keys(k, v, mask, cache, layer)
         aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
-        if pace is None and bias is None and mask.visible is None and aligned:
+        plain = bias is None and mask.visible is None and mask.band is None
+        if pace is None and plain and aligned:
             out = F.scaled_dot_product_attention(  # SDPA's own kernels, no mask
                 q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
             )
@@ -152,7 +153,10 @@ class Attention(nn.Module):
             for start, stop in self._query_chunks(q, k, pace, None):
                 if outs:
                     yield None
-                outs.append(flash_continuation.attend_rows(q, kh, vh, bh, self.scale, start, stop))
+                rows = flash_continuation.attend_rows(
+                    q, kh, vh, bh, self.scale, start, stop, mask.band
+                )
+                outs.append(rows)
             return self._output(torch.cat(outs, dim=2))
         for chunk in self._query_chunks(q, k, pace, ATTENTION_CHUNK_ELEMENTS):
             if outs and pace is not None:

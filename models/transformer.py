@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from models import kernels
-from models.attention import AttentionMask, AttentionPattern, build_mask
+from models.attention import AttentionMask, AttentionPattern, Band, build_mask
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import Block, Linear, Pace, RMSNorm
@@ -199,6 +199,7 @@ class Transformer(nn.Module):
         commit: bool | int | Sequence[int] = True,
         rows: tuple[int, int] | None = None,
         pace: Pace | None = None,
+        band: Band | None = None,
     ) -> Generator[Tensor | None, None, Tensor]:
         """forward() in bounded pieces, always on the PyTorch path: yields each layer's
         post-RoPE queries [B, H, Q, D] before that layer attends, None between the query
@@ -207,11 +208,14 @@ class Transformer(nn.Module):
         resumption runs one such chunk (the last one of a layer also the next layer's
         projections), so the caller can spread a long forward over short pieces of work, and
         may change a layer's cache slots between its queries and its attention (on-policy
-        compaction). `rows` as in forward()."""
+        compaction). `rows` as in forward(); `band` narrows the attention of a continuation
+        (`models.attention.Band`: a compaction's banded repeat pass)."""
         pace = pace or Pace()
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
-            out = yield from self.forward_stages(input_ids, cache=view, commit=commit, pace=pace)
+            out = yield from self.forward_stages(
+                input_ids, cache=view, commit=commit, pace=pace, band=band
+            )
             cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
@@ -219,6 +223,7 @@ class Transformer(nn.Module):
             cache.ensure_capacity(max(cache.lengths) + q_len)
         cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
         mask = self._mask(None, positions, cache, None, True)
+        mask.band = band
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):

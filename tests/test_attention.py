@@ -296,3 +296,68 @@ def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypa
     assert len(items) >= len(model.layers) * (15 + 4)  # a piece per query row and MLP chunk
     torch.testing.assert_close(staged, whole, atol=1e-5, rtol=1e-5)
     assert cache.lengths == [25]  # commit=False: nothing kept
+
+
+def test_band_visibility_is_what_it_says():
+    """New token i sees the sinks, the cached slots within the window of slot i + offset, the
+    lead, and the new tokens [i - window, i]: nothing else."""
+    from models.attention import Band
+
+    band = Band(window=2, offset=-3, lead=3, sinks=1)
+    cached, q_len = 12, 10
+    seen = band.visible(0, q_len, q_len, cached + q_len, "cpu")
+    for i in range(q_len):
+        want = {0} | {s for s in range(cached) if abs(s - (i - 3)) <= 2}
+        want |= {cached + j for j in range(q_len) if (j < 3 or j >= i - 2) and j <= i}
+        assert set(seen[i].nonzero().flatten().tolist()) == want, i
+    assert not bool(seen[5, 6])  # slot 6 is 4 away from slot 2 = 5 - 3: outside the window
+
+
+def _staged(model, ids, cache, band):
+    stages = model.forward_stages(ids, cache=cache, commit=False, band=band)
+    queries = []
+    try:
+        while True:
+            item = next(stages)
+            if item is not None:
+                queries.append(item)
+    except StopIteration as done:
+        return done.value, queries
+
+
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("offset", [-4, 30])  # 30: late rows' windows fall past the cache
+def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
+    llama_pair, monkeypatch, biased, offset
+):
+    """The CPU flash path of a banded continuation (only the key ranges the band reaches,
+    each row masked to its own band, rows that see nothing of a range given no weight there)
+    equals masked SDPA with the band's mask (what other devices run), in pieces smaller and
+    larger than the window; the band changes the result, and a band wider than everything
+    changes nothing."""
+    from models import flash_continuation, layers
+    from models.attention import Band
+
+    _, model = llama_pair
+    ids = _ids(70)
+    with torch.no_grad():
+        cache = model.new_cache(1, 160)
+        model(ids[:, :40], cache=cache)
+        if biased:
+            cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
+            for bias in cache.biases:
+                bias[0, :, :40] = torch.linspace(-2, 1, 40)
+        band = Band(window=5, offset=offset, lead=4, sinks=2)
+        full, _ = _staged(model, ids[:, 40:], cache, None)
+        monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 70 * 3)  # 3 rows a piece
+        small, _ = _staged(model, ids[:, 40:], cache, band)
+        monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 70 * 20)  # 20 > window
+        large, _ = _staged(model, ids[:, 40:], cache, band)
+        wide, _ = _staged(model, ids[:, 40:], cache, Band(window=200, offset=offset, lead=4))
+        monkeypatch.setattr(flash_continuation, "_FLASH", None)  # the masked path
+        masked, _ = _staged(model, ids[:, 40:], cache, band)
+    torch.testing.assert_close(small, masked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(large, masked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wide, full, atol=1e-5, rtol=1e-5)
+    assert (masked - full).abs().max() > 1e-3
+    assert cache.lengths == [40]

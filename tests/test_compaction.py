@@ -157,7 +157,9 @@ def _next_logits(model, cache, token):
         return model.logits(model(torch.tensor([[token]]), cache=cache))[0, -1]
 
 
-@pytest.mark.parametrize("source", ["context", "repeat", "self-study", "on-policy"])
+@pytest.mark.parametrize(
+    "source", ["context", "repeat", "repeat-banded", "self-study", "on-policy"]
+)
 def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
     from engine.kv_compaction import compact_row
 
@@ -211,6 +213,44 @@ def test_compacted_cache_continues_from_the_logical_length(tiny):
     compact_row(model, tok, cache, 0, ids, target=40, query_source="repeat", keep_recent=8)
     again = compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
     assert cache.lengths == [28] and cache.logical == [120] and again.tokens_before == 48
+
+
+def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_original(
+    tiny, monkeypatch
+):
+    """repeat-banded: the repeat pass under `Band` (every repeated token after the
+    instruction lined up with its own cached slot). A window wider than the context gives the
+    repeat queries exactly; a narrow one changes them; a row compacted before takes the full
+    pass; the -fast variants default to it."""
+    from engine import kv_compaction
+    from engine.kv_compaction import DEFAULT_QUERY_SOURCE, compact_row, reference_queries
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = _prefilled(model, ids)
+
+    def queries(source: str, row_cache=cache) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(reference_queries(model, tok, row_cache, 0, ids, source))
+
+    exact = queries("repeat")
+    instruction = len(tok.encode(kv_compaction.REPEAT_INSTRUCTION, add_special_tokens=False))
+    band = kv_compaction.repeat_band(cache, 0, instruction)
+    assert band is not None and (band.offset, band.lead) == (-instruction, instruction)
+    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 200)
+    for a, b in zip(exact, queries("repeat-banded"), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 4)
+    narrow = queries("repeat-banded")
+    torch.testing.assert_close(narrow[0], exact[0])  # layer 0's queries come before attention
+    assert (narrow[1] - exact[1]).abs().max() > 1e-3
+    compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
+    assert kv_compaction.repeat_band(cache, 0, instruction) is None
+    for a, b in zip(queries("repeat"), queries("repeat-banded"), strict=True):
+        torch.testing.assert_close(a, b)
+    assert DEFAULT_QUERY_SOURCE["am-highest-fast"] == DEFAULT_QUERY_SOURCE["am-omp-fast"]
+    assert DEFAULT_QUERY_SOURCE["am-omp-fast"] == "repeat-banded"
+    assert DEFAULT_QUERY_SOURCE["am-omp"] == "repeat"
 
 
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
