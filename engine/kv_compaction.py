@@ -5,12 +5,12 @@
    - repeat: the queries of an instruction to repeat the context followed by the context
      again, run against the row's real cache (nothing is committed);
    - repeat-banded: the same pass with each repeated token attending only near its own
-     original (`models.attention.Band`: REPEAT_WINDOW slots either side, the first slots, the
-     instruction, its last REPEAT_WINDOW repeated tokens): a repeat mostly reads the token it
-     copies, and the fits still score every key exactly for these queries. O(T x window)
-     attention instead of O(T^2): at 4K tokens on 2 CPU cores the pass takes 8 s instead of 18.
-     The -fast variants' default. A row compacted before no longer lines up with the repeat
-     (its first slots stand for more tokens than they are): it takes the full pass;
+     original (`models.attention.Band`: at least REPEAT_WINDOW slots either side, the first
+     slots, the instruction, at least its last REPEAT_WINDOW repeated tokens): a repeat mostly
+     reads the token it copies, and the fits still score every key exactly for these queries.
+     O(T x window) attention instead of O(T^2). The -fast variants' default. A row compacted
+     before no longer lines up with the repeat (its first slots stand for more tokens than
+     they are): it takes the full pass;
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
    - on-policy: the repeat queries again, but layer l's are taken with layers < l already
@@ -72,6 +72,7 @@ QUERY_SOURCES = (
     "on-policy",
 )
 REPEAT_WINDOW = 512  # repeat-banded: the slots either side of a repeated token's original
+REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same keys)
 # Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
 BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.
@@ -208,7 +209,7 @@ def repeat_band(cache: KVCache, row: int, lead: int) -> Band | None:
     tokens (compacted before)."""
     if cache.logical[row] != cache.lengths[row]:
         return None
-    return Band(window=REPEAT_WINDOW, offset=-lead, lead=lead)
+    return Band(window=REPEAT_WINDOW, offset=-lead, lead=lead, rows=REPEAT_ROWS)
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable

@@ -81,28 +81,65 @@ class AttentionPattern:
 @dataclass(frozen=True, slots=True)
 class Band:
     """Banded attention for a continuation whose new tokens line up with cached slots (a
-    compaction's repeat pass: repeated token r is the one cached at slot r). New token i sees
-    the cached slots [0, sinks) and those within `window` of slot i + offset, the first `lead`
-    new tokens (the instruction before the repeat), and the new tokens [i - window, i]. An
-    approximation of the full causal continuation, for reference queries only: attention
-    then costs O(Q x window) instead of O(Q x K)."""
+    compaction's repeat pass: repeated token r is the one cached at slot r).
+
+    The new tokens go in blocks of `rows`. A token of block b (new tokens [b * rows,
+    (b + 1) * rows)) sees the cached slots [0, sinks) and those within `window` of the block's
+    aligned slots [b * rows + offset, (b + 1) * rows + offset), the first `lead` new tokens
+    (the instruction before the repeat), the `window` new tokens before its block and its
+    block's tokens causally. So every token sees at least `window` slots either side of its
+    own, and a block's tokens all see the same keys bar the causal square: no mask is needed.
+    An approximation of the full causal continuation, for reference queries only: attention
+    costs O(Q x (window + rows)) instead of O(Q x K)."""
 
     window: int
     offset: int
     lead: int = 0
     sinks: int = 4
+    rows: int = 256
+
+    def cached_ranges(self, block: int, cached: int) -> list[tuple[int, int]]:
+        """The cached slot ranges [lo, hi) block `block` sees, disjoint and in order."""
+        first = block * self.rows + self.offset
+        window = (first - self.window, first + self.rows + self.window)
+        return disjoint(((0, self.sinks), window), 0, cached)
+
+    def new_ranges(self, block: int, start: int) -> list[tuple[int, int]]:
+        """The new-token ranges that all of block `block`'s tokens from `start` on see
+        (before `start`: the lead, the window before the block, the block's tokens before)."""
+        window = (block * self.rows - self.window, start)
+        return disjoint(((0, self.lead), window), 0, start)
 
     def visible(self, start: int, stop: int, q_len: int, key_len: int, device) -> Tensor:
         """bool [stop - start, key_len]: which keys new tokens [start, stop) of Q = q_len see
         (the keys end with the new tokens)."""
         cached = key_len - q_len
         i = torch.arange(start, stop, device=device)[:, None]  # [c, 1]
+        first = torch.div(i, self.rows, rounding_mode="floor") * self.rows  # block starts
         slot = torch.arange(key_len, device=device)[None, :]  # [1, K]
-        near_slot = (slot - (i + self.offset)).abs() <= self.window
-        in_cache = (slot < self.sinks) | near_slot
+        near = (slot >= first + self.offset - self.window) & (
+            slot < first + self.rows + self.offset + self.window
+        )
+        in_cache = (slot < self.sinks) | near
         new = slot - cached  # the new-token index of slots >= cached
-        in_new = ((new < self.lead) | (new >= i - self.window)) & (new <= i)
+        in_new = ((new < self.lead) | (new >= first - self.window)) & (new <= i)
         return torch.where(slot < cached, in_cache, in_new)
+
+
+def disjoint(ranges, first: int, end: int) -> list[tuple[int, int]]:
+    """Index ranges [lo, hi) clipped to [first, end), merged where they overlap, in order."""
+    clipped = []
+    for lo, hi in ranges:
+        lo, hi = max(lo, first), min(hi, end)
+        if lo < hi:
+            clipped.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(clipped):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 @dataclass(slots=True)

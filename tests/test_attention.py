@@ -299,18 +299,26 @@ def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypa
 
 
 def test_band_visibility_is_what_it_says():
-    """New token i sees the sinks, the cached slots within the window of slot i + offset, the
-    lead, and the new tokens [i - window, i]: nothing else."""
+    """A new token of block b sees the sinks, the cached slots within the window of its
+    block's aligned slots, the lead, the window of new tokens before its block and its block's
+    tokens up to itself: nothing else. Its key ranges say the same."""
     from models.attention import Band
 
-    band = Band(window=2, offset=-3, lead=3, sinks=1)
+    band = Band(window=2, offset=-3, lead=3, sinks=1, rows=4)
     cached, q_len = 12, 10
     seen = band.visible(0, q_len, q_len, cached + q_len, "cpu")
     for i in range(q_len):
-        want = {0} | {s for s in range(cached) if abs(s - (i - 3)) <= 2}
-        want |= {cached + j for j in range(q_len) if (j < 3 or j >= i - 2) and j <= i}
+        first = i // 4 * 4
+        want = {0} | {s for s in range(cached) if first - 3 - 2 <= s < first + 4 - 3 + 2}
+        want |= {cached + j for j in range(q_len) if (j < 3 or j >= first - 2) and j <= i}
         assert set(seen[i].nonzero().flatten().tolist()) == want, i
-    assert not bool(seen[5, 6])  # slot 6 is 4 away from slot 2 = 5 - 3: outside the window
+        block = i // 4
+        ranges = band.cached_ranges(block, cached) + [
+            (cached + a, cached + b) for a, b in band.new_ranges(block, i)
+        ]
+        listed = {s for a, b in ranges for s in range(a, b)} | {cached + i}
+        assert listed == want, i
+    assert not bool(seen[5, 8])  # slot 8 is past block 1's aligned slots [1, 5) + 2
 
 
 def _staged(model, ids, cache, band):
@@ -326,19 +334,21 @@ def _staged(model, ids, cache, band):
 
 
 @pytest.mark.parametrize("biased", [False, True])
-@pytest.mark.parametrize("offset", [-4, 30])  # 30: late rows' windows fall past the cache
+@pytest.mark.parametrize("offset", [-4, 30])  # 30: late blocks' windows fall past the cache
 def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
     llama_pair, monkeypatch, biased, offset
 ):
-    """The CPU flash path of a banded continuation (only the key ranges the band reaches,
-    each row masked to its own band, rows that see nothing of a range given no weight there)
-    equals masked SDPA with the band's mask (what other devices run), in pieces smaller and
-    larger than the window; the band changes the result, and a band wider than everything
-    changes nothing."""
+    """The CPU flash path of a banded continuation (per block of the band, the key ranges it
+    sees, unmasked, and its own rows causally) equals masked SDPA with the band's mask (what
+    other devices run), in pieces of the forward that start inside the band's blocks and span
+    several; the band changes the result, and a band wider than everything changes nothing."""
+    from dataclasses import replace
+
     from models import flash_continuation, layers
     from models.attention import Band
 
     _, model = llama_pair
+    real = flash_continuation._FLASH
     ids = _ids(70)
     with torch.no_grad():
         cache = model.new_cache(1, 160)
@@ -347,17 +357,23 @@ def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
             cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
             for bias in cache.biases:
                 bias[0, :, :40] = torch.linspace(-2, 1, 40)
-        band = Band(window=5, offset=offset, lead=4, sinks=2)
+        band = Band(window=5, offset=offset, lead=4, sinks=2, rows=4)
         full, _ = _staged(model, ids[:, 40:], cache, None)
         monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 70 * 3)  # 3 rows a piece
         small, _ = _staged(model, ids[:, 40:], cache, band)
         monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 70 * 20)  # 20 > window
         large, _ = _staged(model, ids[:, 40:], cache, band)
+        blocks, _ = _staged(model, ids[:, 40:], cache, replace(band, rows=7))
+        monkeypatch.setattr(flash_continuation, "_FLASH", None)
+        blocks_masked, _ = _staged(model, ids[:, 40:], cache, replace(band, rows=7))
+        monkeypatch.setattr(flash_continuation, "_FLASH", real)
         wide, _ = _staged(model, ids[:, 40:], cache, Band(window=200, offset=offset, lead=4))
         monkeypatch.setattr(flash_continuation, "_FLASH", None)  # the masked path
         masked, _ = _staged(model, ids[:, 40:], cache, band)
     torch.testing.assert_close(small, masked, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(large, masked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blocks, blocks_masked, atol=1e-5, rtol=1e-5)
+    assert (blocks - masked).abs().max() > 1e-4  # blocks of 7 see other keys than of 4
     torch.testing.assert_close(wide, full, atol=1e-5, rtol=1e-5)
     assert (masked - full).abs().max() > 1e-3
     assert cache.lengths == [40]

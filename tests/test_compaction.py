@@ -241,6 +241,7 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     for a, b in zip(exact, queries("repeat-banded"), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 4)
+    monkeypatch.setattr(kv_compaction, "REPEAT_ROWS", 8)
     narrow = queries("repeat-banded")
     torch.testing.assert_close(narrow[0], exact[0])  # layer 0's queries come before attention
     assert (narrow[1] - exact[1]).abs().max() > 1e-3
