@@ -8,9 +8,9 @@
      original (`models.attention.Band`: at least REPEAT_WINDOW slots either side, the first
      slots, the instruction, at least its last REPEAT_WINDOW repeated tokens): a repeat mostly
      reads the token it copies, and the fits still score every key exactly for these queries.
-     O(T x window) attention instead of O(T^2). The -fast variants' default. A row compacted
-     before no longer lines up with the repeat (its first slots stand for more tokens than
-     they are): it takes the full pass;
+     O(T x window) attention instead of O(T^2). The -fast variants' default on a CPU. A row
+     compacted before no longer lines up with the repeat (its first slots stand for more
+     tokens than they are): it takes the full pass;
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
    - on-policy: the repeat queries again, but layer l's are taken with layers < l already
@@ -78,12 +78,23 @@ BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.
 CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
 # Each method's reference queries when a request names none: what its paper uses (Attention
-# Matching and KVzip: the repeat-the-context queries, banded for the -fast variants; the
-# prefill-time baselines: the context's own; streaming and random score nothing, the
-# context's queries measure them).
+# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
+# context's own; streaming and random score nothing, the context's queries measure them).
 DEFAULT_QUERY_SOURCE = {
     m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
-} | {"am-omp-fast": "repeat-banded", "am-highest-fast": "repeat-banded"}
+}
+# ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
+# banded pass (on a GPU the band would be a mask over the full attention, no faster).
+BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
+
+
+def default_query_source(method: str, device: torch.device) -> str:
+    """The reference queries `method` takes on `device` when a request names none."""
+    if method in BANDED_ON_CPU and device.type == "cpu":
+        return "repeat-banded"
+    return DEFAULT_QUERY_SOURCE[method]
+
+
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
 
@@ -317,7 +328,7 @@ def compact_row(
     segment is then as long as its longest head, the others' extra slots masked."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
-    query_source = query_source or DEFAULT_QUERY_SOURCE[method]
+    query_source = query_source or default_query_source(method, model.device)
     if method in CONTEXT_SCORED and query_source != "context":
         raise ValueError(
             f"{method} scores keys with the context's own queries: query_source must be "

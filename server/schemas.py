@@ -209,7 +209,7 @@ class CompactRequest(BaseModel):
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
     method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]
-    # None: the method's own (engine.kv_compaction.DEFAULT_QUERY_SOURCE).
+    # None: the method's own (engine.kv_compaction.default_query_source).
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)
     # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).

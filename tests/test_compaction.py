@@ -221,9 +221,9 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     """repeat-banded: the repeat pass under `Band` (every repeated token after the
     instruction lined up with its own cached slot). A window wider than the context gives the
     repeat queries exactly; a narrow one changes them; a row compacted before takes the full
-    pass; the -fast variants default to it."""
+    pass; the -fast variants default to it on a CPU."""
     from engine import kv_compaction
-    from engine.kv_compaction import DEFAULT_QUERY_SOURCE, compact_row, reference_queries
+    from engine.kv_compaction import compact_row, default_query_source, reference_queries
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -249,9 +249,11 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     assert kv_compaction.repeat_band(cache, 0, instruction) is None
     for a, b in zip(queries("repeat"), queries("repeat-banded"), strict=True):
         torch.testing.assert_close(a, b)
-    assert DEFAULT_QUERY_SOURCE["am-highest-fast"] == DEFAULT_QUERY_SOURCE["am-omp-fast"]
-    assert DEFAULT_QUERY_SOURCE["am-omp-fast"] == "repeat-banded"
-    assert DEFAULT_QUERY_SOURCE["am-omp"] == "repeat"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for method in ("am-highest-fast", "am-omp-fast"):
+        assert default_query_source(method, cpu) == "repeat-banded"
+        assert default_query_source(method, gpu) == "repeat"  # there the band is only a mask
+    assert default_query_source("am-omp", cpu) == "repeat"
 
 
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
