@@ -229,9 +229,9 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = _prefilled(model, ids)
 
-    def queries(source: str, row_cache=cache) -> list[torch.Tensor]:
+    def queries(source: str) -> list[torch.Tensor]:
         with torch.no_grad():
-            return list(reference_queries(model, tok, row_cache, 0, ids, source))
+            return list(reference_queries(model, tok, cache, 0, ids, source))
 
     exact = queries("repeat")
     instruction = len(tok.encode(kv_compaction.REPEAT_INSTRUCTION, add_special_tokens=False))
