@@ -272,14 +272,14 @@ def reference_queries(
     layers = model.config.num_layers
     if source == "context":
         streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
-    parts = source.split("+")
-    if "repeat" in parts or "repeat-banded" in parts:
+    names = source.split("+")
+    if "repeat" in names or "repeat-banded" in names:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        band = repeat_band(cache, row, len(instruction)) if "repeat-banded" in parts else None
+        band = repeat_band(cache, row, len(instruction)) if "repeat-banded" in names else None
         stages = _stages(model, ids, engine.pace, cache, row, band)
         streams.append(engine.layers(stages, layers))
-    if "self-study" in parts:
+    if "self-study" in names:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):
         yield torch.cat(parts, dim=1)
