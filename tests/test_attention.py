@@ -227,6 +227,29 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
+def _continued(model, prefix: torch.Tensor, capacity: int, biased: bool):
+    """A cache holding `prefix` [1, n]; `biased`: its slots carry a bias ramp from -2 to 1
+    (as compacted slots carry beta)."""
+    cache = model.new_cache(1, capacity)
+    model(prefix, cache=cache)
+    if biased:
+        n = prefix.shape[1]
+        cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
+        for bias in cache.biases:
+            bias[0, :, :n] = torch.linspace(-2, 1, n)
+    return cache
+
+
+def _staged(model, ids, cache, band) -> torch.Tensor:
+    """The hidden states of a staged continuation of `cache` (under `band`), run to the end."""
+    stages = model.forward_stages(ids, cache=cache, commit=False, band=band)
+    try:
+        while True:
+            next(stages)
+    except StopIteration as done:
+        return done.value
+
+
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path(
@@ -241,12 +264,7 @@ def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path
     model = model.to(dtype)
     ids = _ids(40)
     with torch.no_grad():
-        cache = model.new_cache(1, 128)
-        model(ids[:, :30], cache=cache)
-        if biased:
-            cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
-            for bias in cache.biases:
-                bias[0, :, :30] = torch.linspace(-2, 1, 30)
+        cache = _continued(model, ids[:, :30], 128, biased)
         masks: list[int] = []
         real = flash_continuation._FLASH
 
@@ -257,12 +275,7 @@ def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path
         monkeypatch.setattr(flash_continuation, "_FLASH", spy)
         flash = model(ids[:, 30:], cache=cache, commit=False)
         monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 3 * 4 * 40)  # 3 rows a piece
-        stages = model.forward_stages(ids[:, 30:], cache=cache, commit=False)
-        try:
-            while True:
-                next(stages)
-        except StopIteration as done:
-            staged = done.value
+        staged = _staged(model, ids[:, 30:], cache, None)
         calls = len(masks)
         monkeypatch.setattr(flash_continuation, "_FLASH", None)
         masked = model(ids[:, 30:], cache=cache, commit=False)
@@ -321,16 +334,6 @@ def test_band_visibility_is_what_it_says():
     assert not bool(seen[5, 8])  # slot 8 is past block 1's aligned slots [1, 5) + 2
 
 
-def _staged(model, ids, cache, band) -> torch.Tensor:
-    """The hidden states of a staged continuation of `cache` under `band`, run to the end."""
-    stages = model.forward_stages(ids, cache=cache, commit=False, band=band)
-    try:
-        while True:
-            next(stages)
-    except StopIteration as done:
-        return done.value
-
-
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("offset", [-4, 30])  # 30: late blocks' windows fall past the cache
 def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
@@ -349,12 +352,7 @@ def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
     real = flash_continuation._FLASH
     ids = _ids(70)
     with torch.no_grad():
-        cache = model.new_cache(1, 160)
-        model(ids[:, :40], cache=cache)
-        if biased:
-            cache.biases = [torch.zeros(1, 2, cache.capacity) for _ in range(len(cache.keys))]
-            for bias in cache.biases:
-                bias[0, :, :40] = torch.linspace(-2, 1, 40)
+        cache = _continued(model, ids[:, :40], 160, biased)
         band = Band(window=5, offset=offset, lead=4, sinks=2, rows=4)
         full = _staged(model, ids[:, 40:], cache, None)
         monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 70 * 3)  # 3 rows a piece
