@@ -61,16 +61,8 @@ class HeadInputs:
     tail_bias: Tensor | None = None
     tail_positions: Tensor | None = None
     future: tuple[Tensor, Tensor] | None = None
-    _scores: Tensor | None = None
     _targets: tuple[Tensor, Tensor, Tensor] | None = None
     _rowmax: Tensor | None = None
-
-    def scores(self) -> Tensor:
-        """[n, T] fp32 attention scores (computed once: every stage reads them)."""
-        if self._scores is None:
-            s = self.queries.float() @ self.keys.float().T * self.scale
-            self._scores = s if self.bias is None else s + self.bias.float()
-        return self._scores
 
 
 @dataclass(slots=True)
@@ -83,12 +75,19 @@ class HeadResult:
 
 # ---- targets ---------------------------------------------------------------------------------
 def targets(h: HeadInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """(E [n, T] = exp(s - rowmax), mass m [n], outputs Y [n, D]) of the original block,
-    computed once per head (keys, beta, values and the error all read them)."""
+    """(E [n, T] = exp(s - rowmax), mass m [n], outputs Y [n, D]) of the original block, for
+    the fp32 scores s = Q K^T * scale + b; computed once per head (keys, beta, values and the
+    error all read them). E is made in the scores' own storage: at n = 2,048 queries and 4K
+    keys each [n, T] temporary is 32 MB of fresh pages, and in place the whole is 2x faster."""
     if h._targets is None:
-        s = h.scores()
+        q, k = h.queries.float(), h.keys.float()
+        if h.bias is None:
+            s = q @ k.T
+            s.mul_(h.scale)
+        else:
+            s = torch.addmm(h.bias.float(), q, k.T, alpha=h.scale)
         h._rowmax = s.max(dim=1, keepdim=True).values
-        e = torch.exp(s - h._rowmax)
+        e = s.sub_(h._rowmax).exp_()
         m = e.sum(dim=1)
         y = (e @ h.values.float()) / m[:, None]
         h._targets = e, m, y
@@ -107,11 +106,20 @@ def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = "rms") -> Ten
     """[T] each key's attention from the reference queries, aggregated over them."""
     e, m, _ = targets(h)
     if aggregate == "rms":  # sqrt(mean_i (e_ij / m_i)^2), without the [n, T] softmax
-        return (e.square().T @ m.pow(-2)).div_(e.shape[0]).sqrt_()
+        return _weighted_square_sums(e, m.pow(-2)).div_(e.shape[0]).sqrt_()
     p = e / m[:, None]  # [n, T] the softmax
     if aggregate == "mean":
         return p.mean(dim=0)
     return p.max(dim=0).values
+
+
+def _weighted_square_sums(e: Tensor, w: Tensor, rows: int = 256) -> Tensor:
+    """[T] sum_i w_i e_ij^2 for e [n, T], w [n]: `rows` rows at a time, so that the squares
+    are a few MB of reused memory rather than another [n, T] temporary."""
+    out = torch.zeros(e.shape[1], dtype=e.dtype)
+    for a in range(0, e.shape[0], rows):
+        out.addmv_(e[a : a + rows].square().T, w[a : a + rows])
+    return out
 
 
 def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
@@ -177,25 +185,30 @@ def omp(
     fit = GrowingNNLS(e, m, t)
     available = torch.ones(e.shape[1], dtype=torch.bool)
     residual = m.clone()
+    corr: Tensor | None = None
     iteration = 0
     while len(fit.chosen) < t:
         stop = False
         if budget is not None:
             per_iter, refit_every, stop = budget.pace(per_iter, refit_every)
         if stop:  # out of time: the missing keys by attention (beta and values fit as usual)
-            attention = torch.softmax(h.scores(), dim=1).pow(2).mean(dim=0)  # [T]
+            attention = highest_attention_scores(h)  # [T]
             attention[~available] = -math.inf
             fit.add(attention.topk(t - len(fit.chosen)).indices.tolist())
             break
-        corr = (e.T @ residual) / norms  # [T]
-        corr[~available] = -math.inf
+        if corr is None:  # a pass over E, once per refit (they change only when the fit does)
+            corr = (e.T @ residual) / norms  # [T]
+            corr[~available] = -math.inf
         take = corr.topk(min(per_iter, t - len(fit.chosen))).indices.tolist()
         fit.add(take)
         available[take] = False
+        corr[take] = -math.inf
         iteration += 1
         if iteration % refit_every == 0 or len(fit.chosen) == t:
             residual = fit.residual()
-        # between refits the old fit stands (zero weight on the new keys): residual unchanged
+            corr = None
+        # Between refits the old fit stands (zero weight on the new keys): the residual, and so
+        # the correlations, are unchanged, and the next keys are the next best of the same.
     return torch.tensor(sorted(fit.chosen))
 
 
