@@ -102,20 +102,26 @@ class GrowingNNLS:
             if bool((w > 0).all()):
                 return w
         start = torch.cat([self.w, torch.zeros(s - len(self.w), dtype=torch.float64)])
-        return gram_nnls(self.gram[:s, :s], self.rhs[:s], start)
+        return gram_nnls(self.gram[:s, :s], self.rhs[:s], start, solved=True)
 
 
-def gram_nnls(gram: Tensor, rhs: Tensor, start: Tensor | None = None) -> Tensor:
+def gram_nnls(
+    gram: Tensor, rhs: Tensor, start: Tensor | None = None, solved: bool = False
+) -> Tensor:
     """argmin_{w >= 0} ||A w - m|| given only G = A^T A [s, s] and A^T m [s] (float64):
     Lawson-Hanson's active-set method on the normal equations (Bro & de Jong's "fast NNLS"),
     with the passive set taken from `start`'s positive entries. A small ridge keeps the solves
-    defined when chosen columns are nearly collinear (exp-score columns often are)."""
+    defined when chosen columns are nearly collinear (exp-score columns often are).
+    `solved`: `start` is already the least-squares fit on its positive entries (a previous
+    refit's answer, padded with zeros for new columns), so it is taken as it is."""
     s = gram.shape[0]
     ridge = 1e-10 * float(gram.diagonal().mean().clamp_min(1e-300))
     tol = 1e-10 * float(rhs.abs().max().clamp_min(1e-300))
     passive = start > 0 if start is not None else torch.zeros(s, dtype=torch.bool)
     w = torch.zeros(s, dtype=torch.float64)
-    while passive.any():  # warm start: the largest subset whose least-squares fit is positive
+    if solved and start is not None:
+        w = torch.where(passive, start, w)
+    while passive.any() and not solved:  # the largest subset whose least-squares fit is > 0
         z = _solve_on(gram, rhs, passive, ridge)
         if not (passive & (z <= 0)).any():
             w = z
@@ -171,14 +177,18 @@ def _enter(
         trial &= ~out
     if not (trial & (z <= 0)).any():
         return trial, z
-    return trial, _feasible(gram, rhs, trial, w, ridge)
+    return trial, _feasible(gram, rhs, trial, w, ridge, z)
 
 
-def _feasible(gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: float) -> Tensor:
+def _feasible(
+    gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: float, z: Tensor | None = None
+) -> Tensor:
     """Lawson-Hanson's inner loop: the least-squares solution on the passive set, stepping back
-    toward the feasible w (and shrinking the set) while any passive weight would go <= 0."""
+    toward the feasible w (and shrinking the set) while any passive weight would go <= 0.
+    `z`: that solution where the caller has it already."""
     while True:
-        z = _solve_on(gram, rhs, passive, ridge)
+        if z is None:
+            z = _solve_on(gram, rhs, passive, ridge)
         bad = passive & (z <= 0)
         if not bad.any():
             return z
@@ -186,3 +196,4 @@ def _feasible(gram: Tensor, rhs: Tensor, passive: Tensor, w: Tensor, ridge: floa
         w = w + alpha * (z - w)
         passive &= w > 1e-15 * float(w.abs().max().clamp_min(1e-300))
         w[~passive] = 0.0
+        z = None

@@ -86,6 +86,25 @@ def test_gram_nnls_matches_scipy(warm):
         assert (ref == 0).sum() > 0  # the constraint was active: not a plain least squares
 
 
+def test_gram_nnls_grows_from_a_previous_refit():
+    """A refit after new columns starts from the last answer as it is (`solved`): the same
+    optimum as SciPy's on all the columns."""
+    from scipy.optimize import nnls
+
+    gen = torch.Generator().manual_seed(2)
+    a = torch.rand(300, 60, generator=gen, dtype=torch.float64) ** 2
+    a = a @ (torch.eye(60, dtype=torch.float64) + 0.3 * torch.rand(60, 60, generator=gen).double())
+    m = a @ (torch.randn(60, generator=gen, dtype=torch.float64) + 0.5)  # some w < 0
+    old, _ = nnls(a[:, :52].numpy(), m.numpy(), maxiter=6000)
+    start = torch.cat([torch.from_numpy(old), torch.zeros(8, dtype=torch.float64)])
+    w = gram_nnls(a.T @ a, a.T @ m, start, solved=True)
+    ref, _ = nnls(a.numpy(), m.numpy(), maxiter=6000)
+    assert (w >= 0).all() and (ref == 0).sum() > 0
+    best = float(torch.linalg.norm(a @ torch.from_numpy(ref) - m))
+    assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
+    assert float(torch.linalg.norm(a @ start - m)) > best * 1.01  # the new columns mattered
+
+
 def test_omp_beats_highest_attention_on_mass():
     h = _head(seed=3)
     omp_err = mass_error(h, compact_head(h, 20, "am-omp"))
