@@ -1,7 +1,7 @@
 """KV compaction, side by side: Attention Matching vs token-selection baselines on SmolLM2.
 
     python -m bench.compaction [--contexts 5] [--ratios 5 10 20 50] [--json out.json]
-    python -m bench.compaction --timing [--timing-lengths 1024 2048 4096 8192] [--json out.json]
+    python -m bench.compaction --timing [--timing-lengths 1024 2048 4096 8192] [--timing-runs 3]
     python -m bench.compaction --layer-loss [--methods am-omp] [--ratios 10] [--json out.json]
 
 Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` or `--text python-reference`
@@ -37,7 +37,8 @@ layer that breaks.
 `--timing` measures instead how long each Attention Matching variant takes to compact one
 context of each of `--timing-lengths` tokens (the start of Austen's first novel, 10x), split by
 stage (queries, keys, beta, values), every variant on the same prefilled cache, one after
-another, with nothing else running: the speed curve.
+another, with nothing else running: the speed curve. With `--timing-runs N` each figure is the
+median of N runs (the variants take turns within a run).
 """
 
 from __future__ import annotations
@@ -378,7 +379,9 @@ def run_layer_loss(model, tok, full, ids, probe, base, captured, args, context) 
 
 
 def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
-    """Seconds per stage of each AM variant at each context length (one run each)."""
+    """Seconds per stage of each AM variant at each context length: the median of
+    `--timing-runs` runs, the variants taking turns within each run (so that a slow spell of
+    the machine falls on all of them alike). Each row keeps its runs' totals."""
     from bench.load import austen_ids
 
     longest = austen_ids(args.model, max(args.timing_lengths))
@@ -389,19 +392,29 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
         full = model.new_cache(1, length + 64)
         with torch.no_grad():
             model(torch.tensor([ids], device=model.device), cache=full)
+        target = max(1, round(length / args.timing_ratio) - args.keep_recent)
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+        for run in range(args.timing_runs):
+            for method in methods:
+                report = _compact(model, tok, full.extract_row(0), ids, target, method, args)
+                runs[method].append(report.seconds)
+                print(
+                    f"{length:>6} {method:<18} run {run + 1}  "
+                    + "".join(f"{k} {report.seconds.get(k, 0.0):7.2f}s  " for k in STAGES),
+                    flush=True,
+                )
         for method in methods:
-            cache = full.extract_row(0)
-            target = max(1, round(length / args.timing_ratio) - args.keep_recent)
-            report = _compact(model, tok, cache, ids, target, method, args)
-            row = {"tokens": length, "method": method, **report.seconds}
-            rows.append(row)
-            print(
-                f"{length:>6} {method:<18}"
-                + "".join(f"{k} {row.get(k, 0.0):7.2f}s  " for k in STAGES),
-                flush=True,
+            stages = {k: statistics.median(r.get(k, 0.0) for r in runs[method]) for k in STAGES}
+            rows.append(
+                {
+                    "tokens": length,
+                    "method": method,
+                    **stages,
+                    "runs": [r["total"] for r in runs[method]],
+                }
             )
-            if args.json:
-                save_json(args.json, {"timing": rows})
+        if args.json:
+            save_json(args.json, {"timing": rows})
     _print_timing(rows, args, methods)
     return rows
 
@@ -410,7 +423,8 @@ def _print_timing(rows: list[dict], args: argparse.Namespace, methods: list[str]
     threads = torch.get_num_threads()
     print(
         f"\ncompaction seconds, {args.timing_ratio:.0f}x, {args.dtype} model, fp32 fits, "
-        f"{threads} threads (queries / keys / beta / values = total)"
+        f"{threads} threads, median of {args.timing_runs} run(s) per stage "
+        "(queries / keys / beta / values = total)"
     )
     print(f"{'method':<20}" + "".join(f"{n:>34}" for n in args.timing_lengths))
     for method in methods:
@@ -459,6 +473,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--timing-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--timing-ratio", type=float, default=10)
+    p.add_argument(
+        "--timing-runs",
+        type=int,
+        default=1,
+        help="runs per length (medians per stage; this machine's timings vary by +-15%%)",
+    )
     p.add_argument(
         "--only",
         type=int,
