@@ -8,24 +8,32 @@ import pytest
 import torch
 
 from engine.attention_matching import (
+    HIGHEST_AGGREGATE,
     METHODS,
     HeadInputs,
     compact_head,
     fit,
+    highest_attention_scores,
     keep,
     mass_error,
     relative_output_error,
+    select_keys,
 )
 from engine.nnls import gram_nnls
 
 
-def _head(total: int = 200, n: int = 300, dim: int = 32, seed: int = 0) -> HeadInputs:
-    """Queries that concentrate on a few "hot" keys plus noise, as real attention does."""
+def _head(
+    total: int = 200, n: int = 300, dim: int = 32, seed: int = 0, bias: bool = False
+) -> HeadInputs:
+    """Queries that concentrate on a few "hot" keys plus noise, as real attention does (with
+    `bias`, slots compacted before: an additive bias on every key)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(total, dim, generator=gen)
     hot = keys[torch.randint(0, 8, (n,), generator=gen)]
     queries = 0.7 * torch.randn(n, dim, generator=gen) + 1.5 * hot
     h = HeadInputs(keys, torch.randn(total, dim, generator=gen), queries, dim**-0.5)
+    if bias:
+        h.bias = torch.randn(total, generator=gen)
     # The prefill-time baselines read the queries as one head's, after every key.
     h.head_queries = queries[None]
     h.query_positions = torch.arange(total, total + n)
@@ -33,6 +41,24 @@ def _head(total: int = 200, n: int = 300, dim: int = 32, seed: int = 0) -> HeadI
     centred = queries - queries.mean(0)
     h.future = (queries.mean(0)[None], (centred.T @ centred / n)[None])
     return h
+
+
+def test_highest_attention_scores_aggregate_the_softmax_over_queries():
+    """Each aggregate, computed without the [n, T] softmax where it can be, is the softmax's
+    mean / RMS / max over the queries; am-highest keeps the top keys by HIGHEST_AGGREGATE."""
+    h = _head(bias=True)
+    s = h.queries @ h.keys.T * h.scale + h.bias
+    p = torch.softmax(s, dim=1)  # [n, T]
+    expected = {"mean": p.mean(0), "rms": p.square().mean(0).sqrt(), "max": p.max(0).values}
+    for aggregate, want in expected.items():
+        got = highest_attention_scores(_head(bias=True), aggregate)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    top = expected[HIGHEST_AGGREGATE].topk(20).indices.sort().values
+    assert torch.equal(select_keys(_head(bias=True), 20, "am-highest"), top)
+    assert not torch.equal(
+        expected["mean"].topk(20).indices.sort().values,
+        expected["rms"].topk(20).indices.sort().values,
+    )  # the choice matters
 
 
 def test_keeping_every_key_reproduces_output_and_mass():
