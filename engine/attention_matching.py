@@ -12,9 +12,9 @@ which together make the compacted block a drop-in for the original inside any la
 
 1. keys: a subset of the original keys — the t with the highest aggregated attention
    (HighestAttnKeys: the mean over queries here, not the paper's RMS; see HIGHEST_AGGREGATE),
-   or Orthogonal Matching Pursuit on the
-   mass target (pick the keys whose exp-score columns best explain the residual mass, k at a
-   time, refitting every r iterations; "fast" = 4 and 2), always with a final refit;
+   or Orthogonal Matching Pursuit on the mass target (pick the keys whose exp-score columns
+   best explain the residual mass, k at a time, refitting every r iterations; "fast" = 4 and
+   2), always with a final refit;
 2. beta = log w, with w >= 0 the nonnegative least-squares fit of the exp-score columns of the
    chosen keys to the mass (rows stabilized by their max), w clamped away from 0;
 3. C_v = least squares of the compacted softmax weights against the original outputs (ridge
@@ -198,7 +198,7 @@ def omp(
         if budget is not None:
             per_iter, refit_every, stop = budget.pace(per_iter, refit_every)
         if stop:  # out of time: the missing keys by attention (beta and values fit as usual)
-            attention = highest_attention_scores(h)  # [T]
+            attention = highest_attention_scores(h, HIGHEST_AGGREGATE)  # [T], as am-highest
             attention[~available] = -math.inf
             fit.add(attention.topk(t - len(fit.chosen)).indices.tolist())
             break
