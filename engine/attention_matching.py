@@ -109,7 +109,7 @@ def _row_max(h: HeadInputs) -> Tensor:
 
 
 # ---- key selection ---------------------------------------------------------------------------
-def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = "rms") -> Tensor:
+def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = HIGHEST_AGGREGATE) -> Tensor:
     """[T] each key's attention from the reference queries, aggregated over them."""
     e, m, _ = targets(h)
     if aggregate == "rms":  # sqrt(mean_i (e_ij / m_i)^2), without the [n, T] softmax
@@ -128,7 +128,7 @@ def _weighted_square_sums(e: Tensor, w: Tensor, rows: int = 256) -> Tensor:
     return out
 
 
-def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = "rms") -> Tensor:
+def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = HIGHEST_AGGREGATE) -> Tensor:
     """The t keys the reference queries attend to most (aggregated over queries)."""
     return highest_attention_scores(h, aggregate).topk(t).indices.sort().values
 
@@ -198,7 +198,7 @@ def omp(
         if budget is not None:
             per_iter, refit_every, stop = budget.pace(per_iter, refit_every)
         if stop:  # out of time: the missing keys by attention (beta and values fit as usual)
-            attention = highest_attention_scores(h, HIGHEST_AGGREGATE)  # [T], as am-highest
+            attention = highest_attention_scores(h)  # [T], as am-highest ranks them
             attention[~available] = -math.inf
             fit.add(attention.topk(t - len(fit.chosen)).indices.tolist())
             break
@@ -301,7 +301,7 @@ def select_keys(
     if method == "am-omp-fast":
         return omp(h, t, per_iter=4, refit_every=2, budget=budget)
     if method in ("am-highest", "am-highest-fast"):
-        return highest_attention(h, t, HIGHEST_AGGREGATE)
+        return highest_attention(h, t)
     if method == "snapkv":
         return baselines.snapkv(h, t)
     if method == "h2o":

@@ -4,14 +4,14 @@ A uniform compaction gives every (layer, KV head) the same t slots, but heads di
 much of their attention a few keys carry: a head that looks at a handful of positions loses
 little at t, one that spreads its attention loses much. `allocate` hands out the same total,
 L x Hkv x t, by measured attention: for every head, its keys' attention from the reference
-queries (RMS over queries, as HighestAttnKeys scores them), sorted and normalized to sum to
-one, is the share of the head's attention that its k best keys would keep; the total goes to
-the (head, k) steps with the largest shares, all heads at once, so a slot goes where it keeps
-the most attention. Every head keeps at least t / 4 and at most 2t slots: the floor because
-the fit needs keys to match at all, the ceiling because a segment is as long as its longest
-head in a cache row (the other heads' extra slots are padding, masked with a -inf bias, which
-costs attention time and, in a running batch, memory; on disk the segment is stored ragged,
-`engine/session_files.py`).
+queries (RMS over queries; the mean, which HighestAttnKeys ranks by, allocated the same within
+0.01 of the facts kept), sorted and normalized to sum to one, is the share of the head's
+attention that its k best keys would keep; the total goes to the (head, k) steps with the
+largest shares, all heads at once, so a slot goes where it keeps the most attention. Every head
+keeps at least t / 4 and at most 2t slots: the floor because the fit needs keys to match at
+all, the ceiling because a segment is as long as its longest head in a cache row (the other
+heads' extra slots are padding, masked with a -inf bias, which costs attention time and, in a
+running batch, memory; on disk the segment is stored ragged, `engine/session_files.py`).
 
 A measured schedule (`budgets="measured"`, the AM paper's idea) goes further: each head's
 share of the total is how much the model's loss depends on that head's slots, measured once
@@ -70,7 +70,7 @@ def allocate(
                 scale=cfg.head_dim**-0.5,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
-            score = highest_attention_scores(h).sort(descending=True).values
+            score = highest_attention_scores(h, "rms").sort(descending=True).values
             shares.append(score / score.sum().clamp_min(1e-30))
     return _by_shares(shares, target * len(shares), low, high, cfg.num_kv_heads)
 
