@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from engine.compaction_budgets import load_schedule
-from engine.kv_compaction import compact_row, reference_queries
+from engine.kv_compaction import compact_row, default_key_queries, reference_queries
 from engine.packed_cache import PackedCache
 from models.kv_cache import KVCache
 from models.loading import load_model
@@ -249,26 +249,51 @@ AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp")
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 
-def _parts(method: str) -> tuple[str, str, str | None, str]:
-    """METHOD[:SOURCE][+int8][+attn|+measured] -> (method, query source, quantization,
-    budgets); a source may hold a "+" itself (repeat+self-study)."""
+FLAGS = ("int8", "attn", "measured", "ctxkeys", "refkeys")
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    source: str
+    quantize: str | None
+    budgets: str
+    keys: str  # key_queries: whose attention ranks the keys ("context" or "reference")
+
+
+def _parts(method: str) -> Spec:
+    """METHOD[:SOURCE][+int8][+attn|+measured][+ctxkeys|+refkeys] -> its settings; a source
+    may hold a "+" itself (repeat+self-study). ctxkeys / refkeys: the keys ranked by the
+    context's own queries / the reference ones (by default the method's own,
+    `engine.kv_compaction.default_key_queries`)."""
     flags: set[str] = set()
-    while (tail := method.rpartition("+")[2]) in ("int8", "attn", "measured"):
+    while (tail := method.rpartition("+")[2]) in FLAGS:
         flags.add(tail)
         method = method[: -len(tail) - 1]
     name, _, source = method.partition(":")
     quantize = "int8" if "int8" in flags else None
     budgets = "attention" if "attn" in flags else "measured" if "measured" in flags else "uniform"
-    return name, source or QUERY_SOURCE[name], quantize, budgets
+    keys = (
+        "context"
+        if "ctxkeys" in flags
+        else "reference"
+        if "refkeys" in flags
+        else default_key_queries(name)
+    )
+    return Spec(name, source or QUERY_SOURCE[name], quantize, budgets, keys)
 
 
-def _source(method: str) -> str:
-    return _parts(method)[1]
+def _sources(method: str) -> set[str]:
+    """The query sources `method` reads: its reference queries', and the context's where they
+    rank its keys."""
+    spec = _parts(method)
+    return {spec.source} | ({"context"} if spec.keys == "context" else set())
 
 
 def _compact(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
-    name, source, quantize, budgets = _parts(method)
+    spec = _parts(method)
+    name, source, quantize, budgets = spec.name, spec.source, spec.quantize, spec.budgets
     return compact_row(
         model,
         tok,
@@ -284,6 +309,8 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         quantize=quantize,
         budgets=budgets,
         schedule=_schedule(model, args) if budgets == "measured" else None,
+        key_queries=spec.keys,
+        key_reference=(captured or {}).get("context") if spec.keys == "context" else None,
     )
 
 
@@ -385,7 +412,7 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
     from bench.load import austen_ids
 
     longest = austen_ids(args.model, max(args.timing_lengths))
-    methods = [m for m in args.methods if _parts(m)[0] in AM_METHODS]
+    methods = [m for m in args.methods if _parts(m).name in AM_METHODS]
     rows: list[dict] = []
     for length in args.timing_lengths:
         ids = longest[:length]
@@ -455,10 +482,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=list(QUERY_SOURCE),
-        help="METHOD[:QUERY_SOURCE][+int8][+attn|+measured] (e.g. am-highest-fast:on-policy; "
-        "+int8: the compacted segment kept as int8 codes; +attn: the KV heads' budgets by "
-        "measured attention; +measured: by the model's schedule from bench/head_budgets.py); "
-        "the default source per method is the one its paper uses",
+        help="METHOD[:QUERY_SOURCE][+int8][+attn|+measured][+ctxkeys|+refkeys] (e.g. "
+        "am-highest-fast:on-policy; +int8: the compacted segment kept as int8 codes; +attn: "
+        "the KV heads' budgets by measured attention; +measured: by the model's schedule from "
+        "bench/head_budgets.py; +ctxkeys / +refkeys: am-highest's keys ranked by the context's "
+        "own queries / by the reference ones); the default source per method is the one its "
+        "paper uses, am-highest ranks by the context's queries, am-highest-fast by the "
+        "reference ones",
     )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)
@@ -535,7 +565,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prefill_s = time.perf_counter() - started
         # Every method and ratio of this context reads the same reference queries: captured
         # once per source (on-policy ones depend on the fit and are captured each time).
-        sources = {_source(m) for m in args.methods}
+        sources = set().union(*(_sources(m) for m in args.methods))
         captured = {
             src: list(reference_queries(model, tok, full, 0, ids, src))
             for src in sorted(sources - {"on-policy"})

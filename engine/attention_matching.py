@@ -11,10 +11,12 @@ chosen so that for the reference queries it reproduces
 which together make the compacted block a drop-in for the original inside any larger softmax.
 
 1. keys: a subset of the original keys — the t with the highest aggregated attention
-   (HighestAttnKeys: the mean over queries here, not the paper's RMS; see HIGHEST_AGGREGATE),
-   or Orthogonal Matching Pursuit on the mass target (pick the keys whose exp-score columns
-   best explain the residual mass, k at a time, refitting every r iterations; "fast" = 4 and
-   2), always with a final refit;
+   (HighestAttnKeys: the mean over the reference queries here, not the paper's RMS; see
+   HIGHEST_AGGREGATE; or, where the head carries them, the attention the context's own queries
+   paid each key at prefill, accumulated: `highest_context_attention`), or Orthogonal
+   Matching Pursuit on the mass target (pick the keys whose exp-score columns best explain
+   the residual mass, k at a time, refitting every r iterations; "fast" = 4 and 2), always
+   with a final refit;
 2. beta = log w, with w >= 0 the nonnegative least-squares fit of the exp-score columns of the
    chosen keys to the mass (rows stabilized by their max), w clamped away from 0;
 3. C_v = least squares of the compacted softmax weights against the original outputs (ridge
@@ -55,9 +57,10 @@ class HeadInputs:
     queries: Tensor  # [n, D] reference queries (the group's heads pooled), post-RoPE
     scale: float
     bias: Tensor | None = None  # [T] additive bias already on these slots
-    # For the baselines that score keys with the context's own queries
-    # (`engine.compaction_baselines`): every query head of the group [G, n, D] in position
-    # order (not subsampled) and their positions [n]; the region's key positions [T]; the
+    # For the key scores from the context's own queries (`engine.compaction_baselines`, and
+    # am-highest's `highest_context_attention`): the baselines get every query head of the
+    # group [G, n, D] in position order (not subsampled), am-highest a subsample of them pooled
+    # [1, n', D]; their positions [n] (or [n']); the region's key positions [T]; the
     # row's slots after the region [R, D] (their bias [R], positions [R]), which those queries
     # attended to as well; and Expected Attention's future-query statistics per head of the
     # group, mean [G, D] and covariance [G, D, D].
@@ -131,6 +134,16 @@ def _weighted_square_sums(e: Tensor, w: Tensor, rows: int = 256) -> Tensor:
 def highest_attention(h: HeadInputs, t: int, aggregate: Aggregate = HIGHEST_AGGREGATE) -> Tensor:
     """The t keys the reference queries attend to most (aggregated over queries)."""
     return highest_attention_scores(h, aggregate).topk(t).indices.sort().values
+
+
+def highest_context_attention(h: HeadInputs, t: int) -> Tensor:
+    """The t keys the context's own queries (h.head_queries, at h.query_positions) attended to
+    most at prefill, their causal attention summed over them: H2O's heavy hitters, all t of
+    them by score (no recent window). The repeat queries that beta and the values are fitted
+    on mostly read the token each one copies, so their attention picks the copy targets
+    rather than the keys that later questions read (`engine.kv_compaction.KEY_QUERIES` has
+    the measurement)."""
+    return baselines.accumulated_attention(h).topk(t).indices.sort().values
 
 
 @dataclass(slots=True)
@@ -301,6 +314,8 @@ def select_keys(
     if method == "am-omp-fast":
         return omp(h, t, per_iter=4, refit_every=2, budget=budget)
     if method in ("am-highest", "am-highest-fast"):
+        if h.head_queries is not None:  # the context's own queries rank the keys
+            return highest_context_attention(h, t)
         return highest_attention(h, t)
     if method == "snapkv":
         return baselines.snapkv(h, t)

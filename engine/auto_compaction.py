@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import BUDGETS, QUERY_SOURCES
+from engine.kv_compaction import BUDGETS, CONTEXT_KEYED, KEY_QUERIES, QUERY_SOURCES
 
 MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one
 MIN_MAX_TOKENS = 16
@@ -33,6 +33,7 @@ class AutoCompact:
     query_source: str | None = None  # None: the method's own
     quantize: str | None = None  # "int8": the compacted segment as int8 codes (kv_quant)
     budgets: str = "uniform"  # "attention", "measured": per KV head (compaction_budgets)
+    key_queries: str | None = None  # whose attention ranks am-highest's keys; None: its own
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
@@ -49,6 +50,10 @@ class AutoCompact:
             raise ValueError(f"unknown budgets {self.budgets!r}")
         if self.budgets == "attention" and self.query_source == "on-policy":
             raise ValueError("budgets by attention are not for on-policy queries")
+        if self.key_queries is not None and self.key_queries not in KEY_QUERIES:
+            raise ValueError(f"unknown key_queries {self.key_queries!r}")
+        if self.key_queries == "context" and self.method not in CONTEXT_KEYED:
+            raise ValueError(f"key_queries='context' is not for {self.method}")
         if not 0 <= self.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")
@@ -79,4 +84,5 @@ class AutoCompact:
             query_source=obj.get("query_source"),
             quantize=obj.get("quantize"),
             budgets=str(obj.get("budgets", "uniform")),
+            key_queries=obj.get("key_queries"),
         )

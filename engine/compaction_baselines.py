@@ -82,15 +82,22 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
         yield torch.softmax(s, dim=-1)[..., :region]
 
 
+def accumulated_attention(h) -> Tensor:
+    """[T] H2O's heavy-hitter score: each region key's attention summed over the context's
+    queries (`causal_probabilities`: every query head given, each query over the keys at or
+    before it)."""
+    accumulated = torch.zeros(h.keys.shape[0])
+    for p in causal_probabilities(h):
+        accumulated += p.sum(dim=(0, 1))
+    return accumulated
+
+
 def h2o(h, t: int) -> Tensor:
     """H2O: half the budget to the heavy hitters (attention accumulated over every query of
     the context, summed over the group's heads), half to the most recent slots."""
     total = h.keys.shape[0]
     recent = t // 2
-    accumulated = torch.zeros(total)
-    for p in causal_probabilities(h):
-        accumulated += p.sum(dim=(0, 1))
-    return _top(accumulated, t, torch.arange(total - recent, total))
+    return _top(accumulated_attention(h), t, torch.arange(total - recent, total))
 
 
 def snapkv(h, t: int, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL) -> Tensor:

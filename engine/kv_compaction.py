@@ -20,6 +20,9 @@
      its queries and its attention.
    Queries that come after the context are the useful reference: they are what later requests
    look like, and a bias fitted to the context's own queries does not carry over to them.
+   am-highest's keys are ranked by the context's own queries as well (KEY_QUERIES): their
+   causal attention at prefill, accumulated, while beta and the values are fitted on the
+   reference queries.
 2. Per layer and KV head, `engine.attention_matching.compact_head` on the region
    [0, T - keep_recent) (which may already hold compacted slots with biases: compaction
    composes).
@@ -39,6 +42,7 @@ then takes the remaining keys by attention; the report says so.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -88,6 +92,27 @@ DEFAULT_QUERY_SOURCE = {
 BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
 
 
+# Whose attention ranks the keys of the am-highest variants: the reference queries they are
+# fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context": one
+# causal prefill of the context, the paper's context-prefill queries; each KV head ranks by up
+# to `max_queries` of its group's, a seeded random subset, and the fits stay on the reference
+# queries). Measured (bench.compaction's 2K contexts, medians of 5, Austen | the Python
+# reference, facts kept at 10x / 20x, banded repeat queries for the fits, /tmp-scratch
+# ctxsel.py of the seventh stop): reference-ranked 0.44 | 0.45 / 0.17 | 0.30, context-ranked
+# over every context query 0.59 | 0.55 / 0.44 | 0.38, over 2,048 of them 0.57 | ... / 0.43 | ...;
+# H2O, the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read the token
+# each copies; later questions read the keys the context's queries did. Fitting on the
+# context queries instead is what does not carry over (continuation probe -5 .. -17).
+KEY_QUERIES = ("context", "reference")
+CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
+DEFAULT_CONTEXT_KEYED = ("am-highest",)  # ... and do unless told: -fast spares the extra pass
+
+
+def default_key_queries(method: str) -> str:
+    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES)."""
+    return "context" if method in DEFAULT_CONTEXT_KEYED else "reference"
+
+
 def default_query_source(method: str, device: torch.device) -> str:
     """The reference queries `method` takes on `device` when a request names none."""
     if method in BANDED_ON_CPU and device.type == "cpu":
@@ -112,6 +137,7 @@ def inline(fn: Callable[[], T]) -> T:
 class CompactionReport:
     method: str
     query_source: str
+    key_queries: str  # whose attention ranked the keys: "reference" or "context" (KEY_QUERIES)
     tokens_before: int  # physical slots before
     tokens_after: int
     logical_length: int
@@ -306,6 +332,8 @@ def compact_row(
     quantize: str | None = None,
     budgets: str = "uniform",
     schedule: list[list[float]] | None = None,
+    key_queries: str | None = None,
+    key_reference: list[Tensor] | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -325,7 +353,10 @@ def compact_row(
     measured attention (`engine.compaction_budgets`; not with on-policy queries, which are
     fitted layer by layer); `budgets="measured"` splits it by the model's measured
     `schedule` (per layer, per KV head, its share: `compaction_budgets.load_schedule`). The
-    segment is then as long as its longest head, the others' extra slots masked."""
+    segment is then as long as its longest head, the others' extra slots masked.
+    `key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES; by default
+    `default_key_queries`); `key_reference`: the context queries per layer captured before on
+    this row (as `reference`), for "context"."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or default_query_source(method, model.device)
@@ -337,6 +368,13 @@ def compact_row(
     if query_source not in QUERY_SOURCES:
         raise ValueError(
             f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
+        )
+    key_queries = key_queries or default_key_queries(method)
+    if key_queries not in KEY_QUERIES:
+        raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
+    if key_queries == "context" and method not in CONTEXT_KEYED:
+        raise ValueError(
+            f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)}, not {method}'s"
         )
     length = cache.lengths[row]
     region = length - keep_recent
@@ -371,8 +409,15 @@ def compact_row(
             raise ValueError("this model has no measured budget schedule (budgets)")
         fit.head_targets = compaction_budgets.from_schedule(schedule, target, region)
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
+    ranking: Iterator[Tensor | None] = itertools.repeat(None)  # per layer, keys ranked by
+    if key_queries == "context" and query_source != "context":
+        ranking = (
+            iter(key_reference)
+            if key_reference is not None
+            else reference_queries(model, tokenizer, cache, row, context_ids, "context", engine)
+        )
     if query_source == "on-policy":
-        n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine)
+        n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine, ranking)
     else:
         n_queries = 0
         queries = reference
@@ -388,7 +433,8 @@ def compact_row(
                 )
             )
         for layer, q in enumerate(queries):
-            fit(layer, q)
+            own = key_queries == "context" and query_source == "context"
+            fit(layer, q, q if own else next(ranking))  # the context's queries in step
             n_queries = int(q.shape[1])
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
@@ -403,6 +449,7 @@ def compact_row(
     return CompactionReport(
         method=method,
         query_source=query_source,
+        key_queries=key_queries,
         tokens_before=length,
         tokens_after=cache.lengths[row],
         logical_length=cache.logical[row],
@@ -451,6 +498,9 @@ class _LayerFit:
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
+        # The context queries' subsample draws from its own stream: the reference queries'
+        # subsample stays what it is without them.
+        self.key_generator = torch.Generator().manual_seed(self.seed + 1)
 
     @property
     def slots(self) -> int:
@@ -459,17 +509,22 @@ class _LayerFit:
             return self.target
         return max(max(heads) for heads in self.head_targets)
 
-    def __call__(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(
+        self, layer: int, queries: Tensor, ranking: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t]), fitted
-        through `on_fit`."""
+        through `on_fit`; `ranking` [H, T', D]: the context's own queries, in position order,
+        where they rank the keys (key_queries="context")."""
 
         def work() -> tuple[Tensor, Tensor, Tensor]:
             with torch.no_grad():  # grad mode is per thread: say it where the work runs
-                return self._fit(layer, queries)
+                return self._fit(layer, queries, ranking)
 
         return self.on_fit(work)
 
-    def _fit(self, layer: int, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _fit(
+        self, layer: int, queries: Tensor, ranking: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         cfg, region = self.cfg, self.region
         group = cfg.num_heads // cfg.num_kv_heads
         keys, values, bias = self.cache.read(self.row, layer)  # [Hkv, T, D], [Hkv, T]
@@ -494,6 +549,10 @@ class _LayerFit:
             )
             if self.method in CONTEXT_SCORED:
                 self._add_context(h, q[g * group : (g + 1) * group], keys[g], bias, g)
+            elif ranking is not None:
+                own = ranking[g * group : (g + 1) * group].cpu()  # [G, T', D]
+                sample, positions = self._sample(own)
+                self._add_context(h, sample[None], keys[g], bias, g, positions)
             if future is not None:
                 heads = slice(g * group, (g + 1) * group)
                 h.future = (future[0][heads], future[1][heads])
@@ -516,18 +575,39 @@ class _LayerFit:
         self.biases.append(out[2])
         return out
 
+    def _sample(self, group_queries: Tensor) -> tuple[Tensor, Tensor]:
+        """The group's context queries [G, n, D] pooled, at most `max_queries` of them (a seeded
+        random subset): [n', D] and their positions [n']."""
+        g, n, d = group_queries.shape
+        pooled = group_queries.reshape(g * n, d)
+        positions = torch.arange(n).repeat(g)
+        if pooled.shape[0] > self.max_queries:
+            pick = torch.randperm(pooled.shape[0], generator=self.key_generator)
+            pick = pick[: self.max_queries].sort().values
+            pooled, positions = pooled[pick], positions[pick]
+        return pooled, positions
+
     def _add_context(
-        self, h: HeadInputs, group_queries: Tensor, keys: Tensor, bias: Tensor | None, g: int
+        self,
+        h: HeadInputs,
+        group_queries: Tensor,
+        keys: Tensor,
+        bias: Tensor | None,
+        g: int,
+        query_positions: Tensor | None = None,
     ) -> None:
-        """What the prefill-time baselines read: the group's context queries [G, n, D] at
-        positions 0..n-1, and every slot's position. A row never compacted holds slot i at
-        position i; on one compacted before (its first slots stand for more tokens than they
-        are), slot i is taken to be at i + logical - physical, the compacted slots counting as
-        the oldest visible ones: an approximation only those rows need."""
+        """What the scores from the context's queries read: those queries [G, n, D] at
+        positions 0..n-1 (or `query_positions` [n]), and every slot's position. A row never
+        compacted holds slot i at position i; on one compacted before (its first slots stand
+        for more tokens than they are), slot i is taken to be at i + logical - physical, the
+        compacted slots counting as the oldest visible ones: an approximation only those rows
+        need."""
         length = keys.shape[0]
         positions = torch.arange(length) + self.cache.logical[self.row] - length
         h.head_queries = group_queries
-        h.query_positions = torch.arange(group_queries.shape[1])
+        if query_positions is None:
+            query_positions = torch.arange(group_queries.shape[1])
+        h.query_positions = query_positions
         h.key_positions = positions[: self.region]
         h.tail_keys = keys[self.region :].float().cpu()
         tail = length - self.region
@@ -581,15 +661,17 @@ def _on_policy(
     context_ids: list[int],
     fit: _LayerFit,
     engine: _Engine,
+    ranking: Iterator[Tensor | None],
 ) -> int:
     """Compact every layer in one staged pass of the repeat sequence over a working copy of the
-    row: layer l is fitted from its queries and spliced in before it attends. Returns the
-    number of reference queries per layer."""
+    row: layer l is fitted from its queries (its keys ranked by `ranking`'s, the context's
+    own, where it yields them) and spliced in before it attends. Returns the number of
+    reference queries per layer."""
     work = copy_row(cache, row)
     if work.biases is None:
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
     stages = _stages(model, ids, engine.pace, work, 0)
     for layer, q in enumerate(engine.layers(stages, model.config.num_layers)):
-        _splice(work, layer, fit(layer, q), fit.region)
+        _splice(work, layer, fit(layer, q, next(ranking)), fit.region)
     return len(ids)

@@ -147,6 +147,7 @@ async def compact(
             req.keep_recent,
             req.quantize,
             req.budgets,
+            req.key_queries,
         )
     await spill(state.sessions)  # idle now: packed (int8, ragged) or spilled as the bound says
     return body
@@ -174,6 +175,7 @@ async def auto_compact(state: ServerState, served: ServedModel, session: Session
             policy.keep_recent,
             policy.quantize,
             policy.budgets,
+            policy.key_queries,
             auto=True,
         )
     await spill(state.sessions)
@@ -218,6 +220,7 @@ async def _run(
     keep_recent: int,
     quantize: str | None,
     budgets: str,
+    key_queries: str | None,
     auto: bool = False,
 ) -> dict:
     """Compact the locked session's loaded cache to `target` slots (plus the kept recent
@@ -242,6 +245,7 @@ async def _run(
             quantize=quantize,
             budgets=budgets,
             schedule=served.budget_schedule,
+            key_queries=key_queries,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import BUDGETS, QUERY_SOURCES
+from engine.kv_compaction import BUDGETS, KEY_QUERIES, QUERY_SOURCES
 from engine.session_store import SESSION_ID_PATTERN
 from server.request_limits import MAX_DLM_STEPS, MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
@@ -190,6 +190,7 @@ class AutoCompactSpec(BaseModel):
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     quantize: Literal["int8"] | None = None
     budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
+    key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]
 
 
 class SessionCreateRequest(BaseModel):
@@ -217,3 +218,7 @@ class CompactRequest(BaseModel):
     # "attention": the KV heads' slots by measured attention; "measured": by the model's
     # shipped schedule, 400 where it has none (engine.compaction_budgets).
     budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
+    # Whose attention ranks am-highest's keys: "context" (the context's own queries, its
+    # default) or "reference" (those it is fitted on, am-highest-fast's default); None: the
+    # method's own (engine.kv_compaction.default_key_queries).
+    key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]

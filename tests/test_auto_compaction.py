@@ -59,6 +59,7 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
             "query_source": None,
             "quantize": None,
             "budgets": "uniform",
+            "key_queries": None,
         }
         seen = 0  # compactions so far
         for step in range(6):  # (the logical length must stay within the context: 512)
@@ -91,6 +92,7 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
             "query_source": None,
             "quantize": None,
             "budgets": "uniform",
+            "key_queries": None,
         }
         assert len(again["compactions"]) == seen
 
