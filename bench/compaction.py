@@ -24,8 +24,10 @@ compacted cache takes, and compaction wall time by stage (without the reference 
 capture: each source's queries are captured once per context and shared by every method and
 ratio; `--timing` measures the whole cost). Methods (`engine.attention_matching.METHODS` with
 their query sources): am-omp and am-highest use repeat + self-study queries, their -fast
-variants banded repeat queries (`repeat-banded`); KVzip-style uses repeat queries; SnapKV, H2O
-and Expected Attention score keys with the context's own queries; streaming and random use none.
+variants banded repeat queries (`repeat-banded`), and am-highest ranks its keys by the context's
+own queries (`key_queries`: +ctxkeys / +refkeys to choose); KVzip-style uses repeat queries;
+SnapKV, H2O and Expected Attention score keys with the context's own queries; streaming and
+random use none.
 
 `--layer-loss` asks where a method's loss comes from: the context compacted by the first of
 `--methods`, then measured with only one layer compacted (the others exact; the compacted layer's

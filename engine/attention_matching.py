@@ -71,6 +71,9 @@ class HeadInputs:
     tail_bias: Tensor | None = None
     tail_positions: Tensor | None = None
     future: tuple[Tensor, Tensor] | None = None
+    # am-highest ranks the keys by head_queries' attention, not the reference queries'
+    # (`highest_context_attention`; `engine.kv_compaction.KEY_QUERIES`).
+    context_keys: bool = False
     _targets: tuple[Tensor, Tensor, Tensor] | None = None
     _rowmax: Tensor | None = None
 
@@ -307,6 +310,8 @@ def select_keys(
         raise ValueError(f"target size {t} outside [1, {total}]")
     if method in ("snapkv", "h2o", "expected_attention") and h.head_queries is None:
         raise ValueError(f"{method} needs the context's own queries (HeadInputs.head_queries)")
+    if h.context_keys and h.head_queries is None:
+        raise ValueError("context_keys needs the context's own queries (HeadInputs.head_queries)")
     if method == "expected_attention" and h.future is None:
         raise ValueError("expected_attention needs the future queries' statistics")
     if method == "am-omp":
@@ -314,7 +319,7 @@ def select_keys(
     if method == "am-omp-fast":
         return omp(h, t, per_iter=4, refit_every=2, budget=budget)
     if method in ("am-highest", "am-highest-fast"):
-        if h.head_queries is not None:  # the context's own queries rank the keys
+        if h.context_keys:  # the context's own queries rank the keys
             return highest_context_attention(h, t)
         return highest_attention(h, t)
     if method == "snapkv":

@@ -94,15 +94,19 @@ BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
 
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are
 # fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context": one
-# causal prefill of the context, the paper's context-prefill queries; each KV head ranks by up
-# to `max_queries` of its group's, a seeded random subset, and the fits stay on the reference
-# queries). Measured (bench.compaction's 2K contexts, medians of 5, Austen | the Python
-# reference, facts kept at 10x / 20x, banded repeat queries for the fits, /tmp-scratch
-# ctxsel.py of the seventh stop): reference-ranked 0.44 | 0.45 / 0.17 | 0.30, context-ranked
-# over every context query 0.59 | 0.55 / 0.44 | 0.38, over 2,048 of them 0.57 | ... / 0.43 | ...;
-# H2O, the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read the token
-# each copies; later questions read the keys the context's queries did. Fitting on the
-# context queries instead is what does not carry over (continuation probe -5 .. -17).
+# causal pass over the context, the paper's context-prefill queries, in step with the
+# reference pass; each KV head ranks by up to `max_queries` of its group's, a seeded random
+# subset; beta and the values stay fitted on the reference queries). Facts kept, 2K contexts,
+# medians of 5, Austen | the Python reference, 10x / 20x (`python -m bench.compaction
+# [--text python-reference] --contexts 5 --lengths 2048 --ratios 10 20 --methods am-highest
+# am-highest-fast+ctxkeys h2o`): am-highest 0.36 | 0.45 / 0.16 | 0.22 -> 0.58 | 0.55 /
+# 0.45 | 0.35, am-highest-fast 0.44 | 0.45 / 0.17 | 0.30 -> 0.59 | 0.54 / 0.46 | 0.34; H2O,
+# the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read the token each
+# one copies; later questions read the keys the context's own queries did. (Fitting beta and
+# the values on the context queries too is what does not carry over: continuation probe
+# down to -17.) The price is that pass: at 4K tokens on 2 cores am-highest took 27.6 -> 43.9 s,
+# am-highest-fast 16.2 -> 34.3 s (`--timing`), so -fast keeps the reference ranking unless
+# asked.
 KEY_QUERIES = ("context", "reference")
 CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
 DEFAULT_CONTEXT_KEYED = ("am-highest",)  # ... and do unless told: -fast spares the extra pass
@@ -553,6 +557,7 @@ class _LayerFit:
                 own = ranking[g * group : (g + 1) * group].cpu()  # [G, T', D]
                 sample, positions = self._sample(own)
                 self._add_context(h, sample[None], keys[g], bias, g, positions)
+                h.context_keys = True
             if future is not None:
                 heads = slice(g * group, (g + 1) * group)
                 h.future = (future[0][heads], future[1][heads])

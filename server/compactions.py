@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core_share import CoreShare
-from engine.kv_compaction import OnEngine, compact_row
+from engine.kv_compaction import CONTEXT_KEYED, OnEngine, compact_row
 from engine.served_model import ServedModel
 from engine.session_store import Session
 from server.errors import APIError
@@ -137,6 +137,12 @@ async def compact(
         if cache is None or cache.lengths[0] == 0:
             raise APIError(400, "the session's cache is empty", param="session_id")
         target = _target(cache.lengths[0], req)
+        if req.key_queries == "context" and req.method not in CONTEXT_KEYED:
+            raise APIError(
+                400,
+                f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)} only",
+                param="key_queries",
+            )
         body = await _run(
             state,
             served,

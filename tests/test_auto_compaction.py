@@ -114,6 +114,11 @@ def test_a_session_without_a_policy_never_compacts_itself(tiny_llama_dir, tmp_pa
         ({"max_tokens": 10**6, "ratio": 4}, "context"),  # past the model's context
         ({"max_tokens": 160, "ratio": 1.2}, "ratio"),
         ({"max_tokens": 160, "ratio": 4, "method": "magic"}, "method"),
+        (
+            {"max_tokens": 160, "ratio": 4, "method": "am-omp", "key_queries": "context"},
+            "key_queries",
+        ),
+        ({"max_tokens": 160, "ratio": 4, "key_queries": "magic"}, "key_queries"),
         ({"ratio": 4}, "max_tokens"),
         # The tiny model has no measured schedule: refused at creation, not in the background.
         ({"max_tokens": 160, "ratio": 4, "budgets": "measured"}, "schedule"),

@@ -1,13 +1,13 @@
 """bench/compaction.py's --layer-loss cache (one layer's compacted segment beside the other
 layers' exact slots, padded with masked slots so every layer keeps its own length), and
-bench/head_budgets.py's one-head swaps and schedule solver."""
+bench/head_budgets.py's one-head swaps and schedule solver, and the bench's method specs."""
 
 from __future__ import annotations
 
 import torch
 
 import tiny_models
-from bench.compaction import mixed_cache
+from bench.compaction import Spec, _parts, _sources, mixed_cache
 from engine.kv_compaction import compact_row
 from models.loading import load_model
 
@@ -101,3 +101,22 @@ def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
     slots = solve(low, high, 10)
     assert sum(slots) == 40 and slots[0] == 20 and slots[3] == 5
     assert slots[0] > slots[2] >= slots[1] >= 5
+
+
+def test_method_specs_name_source_budgets_quantization_and_key_ranking():
+    """METHOD[:SOURCE][+flags]: each flag reaches its setting, in any order, and a method's
+    keys are ranked as the server ranks them unless a flag says otherwise."""
+    assert _parts("am-highest") == Spec(
+        "am-highest", "repeat+self-study", None, "uniform", "context"
+    )
+    assert _parts("am-highest-fast+measured+ctxkeys") == Spec(
+        "am-highest-fast", "repeat-banded", None, "measured", "context"
+    )
+    assert _parts("am-highest:repeat+refkeys+int8") == Spec(
+        "am-highest", "repeat", "int8", "uniform", "reference"
+    )
+    assert _parts("am-omp:repeat+self-study+attn").budgets == "attention"
+    assert _parts("h2o").keys == "reference"
+    # The context's queries are captured for the methods they rank, and only for those.
+    assert _sources("am-highest-fast+ctxkeys") == {"repeat-banded", "context"}
+    assert _sources("am-highest-fast") == {"repeat-banded"}

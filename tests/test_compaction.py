@@ -61,6 +61,31 @@ def test_highest_attention_scores_aggregate_the_softmax_over_queries():
     )  # the choice matters
 
 
+def test_am_highest_ranks_by_the_context_queries_causal_attention_when_told():
+    """With `context_keys`, am-highest keeps the t keys the context's own queries attended to
+    most, each query over the keys at or before its position (H2O's accumulated attention,
+    without its recent window); else the reference queries' mean, a different set here."""
+    h = _head(bias=True)
+    gen = torch.Generator().manual_seed(5)
+    n, total = 150, h.keys.shape[0]
+    hot = h.keys[torch.randint(0, total, (2, n), generator=gen)]
+    context = 0.7 * torch.randn(2, n, h.keys.shape[1], generator=gen) + 1.5 * hot  # [G, n, D]
+    positions = torch.randint(0, total, (n,), generator=gen).sort().values
+    h.head_queries, h.query_positions = context, positions
+    s = context @ h.keys.T * h.scale + h.bias  # [G, n, T]
+    s = s.masked_fill(torch.arange(total)[None, :] > positions[:, None], -math.inf)
+    want = torch.softmax(s, dim=-1).sum(dim=(0, 1)).topk(20).indices.sort().values
+    h.context_keys = True
+    assert torch.equal(select_keys(h, 20, "am-highest"), want)
+    assert torch.equal(select_keys(h, 20, "am-highest-fast"), want)
+    h.context_keys = False
+    assert not torch.equal(select_keys(h, 20, "am-highest"), want)
+    bare = _head()
+    bare.head_queries, bare.context_keys = None, True
+    with pytest.raises(ValueError, match="context's own queries"):
+        select_keys(bare, 20, "am-highest")
+
+
 def test_keeping_every_key_reproduces_output_and_mass():
     h = _head()
     r = fit(h, torch.arange(200))
@@ -402,6 +427,52 @@ def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
     if method != "streaming":
         with pytest.raises(ValueError, match="query_source must be 'context'"):
             compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)
+
+
+def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny):
+    """compact_row's am-highest (key_queries="context", its default) on a model row: each KV
+    head keeps the top-t region keys by the causal attention of its group's context queries
+    (one prefill of the context, all of them here: fewer than max_queries), over the region
+    and the exact tail; "reference" ranks by the repeat queries instead, other keys."""
+    from engine.kv_compaction import compact_row, reference_queries
+
+    model, tok = tiny
+    cfg = model.config
+    group = cfg.num_heads // cfg.num_kv_heads
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    full = _prefilled(model, ids)
+    context = list(reference_queries(model, tok, full, 0, ids, "context"))  # [H, T, D] each
+    region, t = 92, 20
+    cache = full.extract_row(0)
+    report = compact_row(model, tok, cache, 0, ids, t, "am-highest", "repeat", keep_recent=8)
+    assert report.key_queries == "context" and cache.lengths == [t + 8]
+    by_reference = full.extract_row(0)
+    compact_row(
+        model, tok, by_reference, 0, ids, t, "am-highest", "repeat", 8, key_queries="reference"
+    )
+    differ = False
+    for layer in range(cfg.num_layers):
+        keys, _, _ = full.read(0, layer)  # [Hkv, T, D]
+        kept, _, _ = cache.read(0, layer)
+        other, _, _ = by_reference.read(0, layer)
+        for g in range(cfg.num_kv_heads):
+            q = context[layer][g * group : (g + 1) * group]  # [G, T, D]
+            s = q @ keys[g].float().T * cfg.head_dim**-0.5  # [G, T, T]
+            s = s.masked_fill(torch.ones(100, 100, dtype=torch.bool).triu(1), -math.inf)
+            score = torch.softmax(s, dim=-1).sum(dim=(0, 1))[:region]  # [region]
+            # The kept keys are original ones: which, and are they the t best (up to ties)?
+            match = (kept[g, :t, None, :] == keys[g, None, :region, :]).all(-1)  # [t, region]
+            assert bool((match.sum(-1) == 1).all())
+            chosen = match.float().argmax(-1)
+            assert float(score[chosen].min()) >= float(score.topk(t + 1).values[-1]) - 1e-6
+            differ |= not torch.equal(kept[g, :t], other[g, :t])
+    assert differ  # the two rankings keep other keys
+    with pytest.raises(ValueError, match="key_queries"):
+        compact_row(
+            model, tok, full.extract_row(0), 0, ids, t, "am-omp", "repeat", 8, key_queries="context"
+        )
+    with pytest.raises(ValueError, match="unknown key_queries"):
+        compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-highest", key_queries="magic")
 
 
 def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():

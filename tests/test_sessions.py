@@ -158,6 +158,13 @@ def test_openai_client_creates_compacts_and_continues_a_session(base):
         ("/v1/sessions/s2/compact", {"ratio": 0.5}, 400, "ratio"),
         ("/v1/sessions/s2/compact", {"target_tokens": 10_000}, 400, "target_tokens"),
         ("/v1/sessions/s2/compact", {"ratio": 2, "method": "magic"}, 400, "method"),
+        ("/v1/sessions/s2/compact", {"ratio": 2, "key_queries": "magic"}, 400, "key_queries"),
+        (
+            "/v1/sessions/s2/compact",
+            {"ratio": 2, "method": "am-omp", "key_queries": "context"},
+            400,
+            "key_queries",
+        ),
         ("/v1/sessions/s2/compact", {}, 400, "ratio"),
         ("/v1/sessions/s2/compact", {"ratio": 2, "keep_recent": 10_000}, 400, "keep_recent"),
         ("/v1/sessions", {"model": "tiny", "id": "s2"}, 409, "id"),
