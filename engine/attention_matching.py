@@ -12,8 +12,8 @@ which together make the compacted block a drop-in for the original inside any la
 
 1. keys: a subset of the original keys — the t with the highest aggregated attention
    (HighestAttnKeys: the mean over the reference queries here, not the paper's RMS; see
-   HIGHEST_AGGREGATE; or, where the head carries them, the attention the context's own queries
-   paid each key at prefill, accumulated: `highest_context_attention`), or Orthogonal
+   HIGHEST_AGGREGATE; or, where the head says so (`context_keys`), the attention the context's
+   own queries paid each key at prefill, accumulated: `highest_context_attention`), or Orthogonal
    Matching Pursuit on the mass target (pick the keys whose exp-score columns best explain
    the residual mass, k at a time, refitting every r iterations; "fast" = 4 and 2), always
    with a final refit;
