@@ -31,7 +31,7 @@ from torch import Tensor
 from engine.dlm_modes import MODES
 from engine.dlm_sequence import BlockPass, Decoding, DLMParams, DLMSequence
 from engine.interface import EngineOutput
-from engine.sampling import _top_p_filter, make_generator
+from engine.sampling import _top_p_filter, make_generator, tempered_softmax
 from engine.text_output import TextAssembler
 from engine.unmasking import Schedule, confidence, origin, pick, quota, steps_problem
 from models.kv_cache import KVCache
@@ -251,7 +251,10 @@ class DLMEngine:
         """Which masked positions to finalize this step, and with which tokens.
         logits [B, V] fp32, masked [B] -> (chosen [B] bool, tokens [B])."""
         p = seq.params
-        probs = torch.softmax(logits if p.temperature == 0 else logits / p.temperature, dim=-1)
+        if p.temperature == 0:
+            probs = torch.softmax(logits, dim=-1)
+        else:  # shifted first: no temperature a request can send makes it NaN
+            probs = tempered_softmax(logits, p.temperature)
         # The mask token is never an answer: a model that predicts it would leave the position
         # masked (the references let it be chosen and stay masked). It is left in `probs`, so
         # confidences are normalized over the whole vocabulary as theirs are.

@@ -39,10 +39,19 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     """logits [B, V] (any float dtype) -> token ids [B] (int64)."""
     if params.greedy:
         return kernels.argmax(logits)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [B, V]
+    probs = tempered_softmax(logits.float(), params.temperature)  # [B, V]
     if params.top_p < 1.0:
         probs = _top_p_filter(probs, params.top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def tempered_softmax(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / temperature) over the last dim, in the logits' dtype: shifted by the
+    max first and divided in float64, which holds any temperature a request can send (down to
+    5e-324; as a float32 scalar 1e-120 is 0, and 0 / 0 is NaN). Shifted, the best tokens score
+    0 and the others -inf at worst: the greedy choice, never inf or NaN."""
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(shifted.double() / temperature, dim=-1).to(logits.dtype)
 
 
 def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:

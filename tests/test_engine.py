@@ -7,7 +7,7 @@ import torch
 
 import tiny_models
 from engine.ar_engine import AREngine
-from engine.sampling import SamplingParams, _top_p_filter, sample
+from engine.sampling import SamplingParams, _top_p_filter, sample, tempered_softmax
 from engine.text_output import TextAssembler
 from models.loading import load_model
 
@@ -108,6 +108,17 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
     cold = sample(logits, SamplingParams(temperature=0.05), torch.Generator().manual_seed(0))
     assert (cold == 1).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 2.9e-120, 5e-324])
+def test_a_vanishing_temperature_samples_the_greedy_token_not_nan(temperature):
+    """A temperature the API accepts (> 0), however small, samples like greedy: logits / t
+    alone would be inf and their softmax NaN, which torch.multinomial refuses (a 500)."""
+    logits = torch.tensor([[1.0, 7.5, -3.0, 7.0], [0.0, -1.0, 2.0, float("-inf")]])
+    params = SamplingParams(temperature=temperature)
+    drawn = sample(logits, params, torch.Generator().manual_seed(0))
+    assert drawn.tolist() == [1, 2]
+    assert torch.equal(tempered_softmax(logits, temperature), torch.eye(4)[[1, 2]])
 
 
 def _feed(tok, text: str, stops: list[str]) -> tuple[list[str], TextAssembler]:
