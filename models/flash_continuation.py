@@ -29,13 +29,15 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 
 def applies(q: Tensor, mask: AttentionMask) -> bool:
     """Whether q [B, H, Q, D]'s attention is a plain causal continuation (every row's new
-    tokens after the same number of cached slots) that this module computes on a CPU."""
+    tokens after the same number of cached slots, maybe none) that this module computes on a
+    CPU. With none, a causal pass in query chunks (a compaction's context pass): each chunk
+    reads only the keys up to its own, where SDPA over an explicit mask reads all of them."""
     return (
         _FLASH is not None
         and q.device.type == "cpu"
         and mask.is_causal
         and mask.visible is None
-        and mask.key_len > q.shape[2]
+        and mask.key_len >= q.shape[2]
     )
 
 

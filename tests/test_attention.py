@@ -311,6 +311,40 @@ def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypa
     assert cache.lengths == [25]  # commit=False: nothing kept
 
 
+def test_a_staged_pass_without_a_cache_reads_only_the_keys_up_to_each_chunk(
+    llama_pair, monkeypatch
+):
+    """A causal pass of its own (a compaction's context pass) in paused query chunks goes
+    through the CPU flash parts, each chunk over the keys before it and itself (no mask over
+    all keys), and equals the plain forward."""
+    from models import flash_continuation, layers
+
+    _, model = llama_pair
+    ids = _ids(40)
+    with torch.no_grad():
+        whole = model(ids)
+        widths: list[int] = []
+        real = flash_continuation._FLASH
+
+        def spy(q, k, v, *args, attn_mask=None, **kw):
+            widths.append(k.shape[2])
+            assert attn_mask is None
+            return real(q, k, v, *args, attn_mask=attn_mask, **kw)
+
+        monkeypatch.setattr(flash_continuation, "_FLASH", spy)
+        monkeypatch.setattr(layers, "STAGE_ATTENTION_ELEMENTS", 4 * 40 * 8)  # 8 rows a piece
+        stages = model.forward_stages(ids)
+        try:
+            while True:
+                next(stages)
+        except StopIteration as done:
+            staged = done.value
+    # Per layer, 5 chunks of 8 rows: the first attends to itself only, the others to what came
+    # before (one part) and to themselves (another); no part is wider than 32 keys.
+    assert len(widths) == len(model.layers) * 9 and max(widths) == 32
+    torch.testing.assert_close(staged, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_band_visibility_is_what_it_says():
     """A new token of block b sees the sinks, the cached slots within the window of its
     block's aligned slots, the lead, the window of new tokens before its block and its block's
