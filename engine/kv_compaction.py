@@ -104,9 +104,9 @@ BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
 # the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read the token each
 # one copies; later questions read the keys the context's own queries did. (Fitting beta and
 # the values on the context queries too is what does not carry over: continuation probe
-# down to -17.) The price is that pass: at 4K tokens on 2 cores am-highest took 27.6 -> 43.9 s,
-# am-highest-fast 16.2 -> 34.3 s (`--timing`), so -fast keeps the reference ranking unless
-# asked.
+# down to -17.) The price is that pass: at 4K tokens on 2 cores am-highest took 26.2 -> 39.7 s,
+# am-highest-fast 16.5 -> 31.1 s (`--timing`, bf16), so -fast keeps the reference ranking
+# unless asked.
 KEY_QUERIES = ("context", "reference")
 CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
 DEFAULT_CONTEXT_KEYED = ("am-highest",)  # ... and do unless told: -fast spares the extra pass
