@@ -251,10 +251,8 @@ class DLMEngine:
         """Which masked positions to finalize this step, and with which tokens.
         logits [B, V] fp32, masked [B] -> (chosen [B] bool, tokens [B])."""
         p = seq.params
-        if p.temperature == 0:
-            probs = torch.softmax(logits, dim=-1)
-        else:  # shifted first: no temperature a request can send makes it NaN
-            probs = tempered_softmax(logits, p.temperature)
+        t = p.temperature  # tempered_softmax: no t > 0 a request can send makes it NaN
+        probs = torch.softmax(logits, dim=-1) if t == 0 else tempered_softmax(logits, t)
         # The mask token is never an answer: a model that predicts it would leave the position
         # masked (the references let it be chosen and stay masked). It is left in `probs`, so
         # confidences are normalized over the whole vocabulary as theirs are.

@@ -45,13 +45,18 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+# Temperatures below this divide as this. A request may send any t > 0, down to 5e-324, but as
+# a float32 scalar 1e-120 is 0, and logits / 0 are inf whose softmax is NaN. Logits whose gap
+# is above float32's resolution are already one-hot apart at 1e-20 (a gap of 1e-6 is 1e14
+# there), so the floor changes no distribution, and a logit would have to pass 3e18 for the
+# division to overflow. The hot path stays one float32 division and softmax.
+TEMPERATURE_FLOOR = 1e-20
+
+
 def tempered_softmax(logits: Tensor, temperature: float) -> Tensor:
-    """softmax(logits / temperature) over the last dim, in the logits' dtype: shifted by the
-    max first and divided in float64, which holds any temperature a request can send (down to
-    5e-324; as a float32 scalar 1e-120 is 0, and 0 / 0 is NaN). Shifted, the best tokens score
-    0 and the others -inf at worst: the greedy choice, never inf or NaN."""
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    return torch.softmax(shifted.double() / temperature, dim=-1).to(logits.dtype)
+    """softmax(logits / temperature) over the last dim, never inf or NaN for a temperature
+    > 0 (TEMPERATURE_FLOOR): the smallest give the greedy choice."""
+    return torch.softmax(logits / max(temperature, TEMPERATURE_FLOOR), dim=-1)
 
 
 def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:
