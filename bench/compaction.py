@@ -295,7 +295,6 @@ def _sources(method: str) -> set[str]:
 def _compact(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
     spec = _parts(method)
-    name, source, quantize, budgets = spec.name, spec.source, spec.quantize, spec.budgets
     return compact_row(
         model,
         tok,
@@ -303,14 +302,14 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         0,
         ids,
         target,
-        name,
-        source,
+        spec.name,
+        spec.source,
         args.keep_recent,
         seed=args.seed,
-        reference=(captured or {}).get(source),
-        quantize=quantize,
-        budgets=budgets,
-        schedule=_schedule(model, args) if budgets == "measured" else None,
+        reference=(captured or {}).get(spec.source),
+        quantize=spec.quantize,
+        budgets=spec.budgets,
+        schedule=_schedule(model, args) if spec.budgets == "measured" else None,
         key_queries=spec.keys,
         key_reference=(captured or {}).get("context") if spec.keys == "context" else None,
     )

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import BUDGETS, CONTEXT_KEYED, KEY_QUERIES, QUERY_SOURCES
+from engine.kv_compaction import BUDGETS, QUERY_SOURCES, resolve_key_queries
 
 MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one
 MIN_MAX_TOKENS = 16
@@ -50,10 +50,7 @@ class AutoCompact:
             raise ValueError(f"unknown budgets {self.budgets!r}")
         if self.budgets == "attention" and self.query_source == "on-policy":
             raise ValueError("budgets by attention are not for on-policy queries")
-        if self.key_queries is not None and self.key_queries not in KEY_QUERIES:
-            raise ValueError(f"unknown key_queries {self.key_queries!r}")
-        if self.key_queries == "context" and self.method not in CONTEXT_KEYED:
-            raise ValueError(f"key_queries='context' is not for {self.method}")
+        resolve_key_queries(self.method, self.key_queries)  # kept as given: None stays None
         if not 0 <= self.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")

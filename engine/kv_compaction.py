@@ -117,6 +117,19 @@ def default_key_queries(method: str) -> str:
     return "context" if method in DEFAULT_CONTEXT_KEYED else "reference"
 
 
+def resolve_key_queries(method: str, key_queries: str | None) -> str:
+    """`key_queries` checked for `method` (ValueError if unknown or not for it), or the
+    method's own where None."""
+    key_queries = key_queries or default_key_queries(method)
+    if key_queries not in KEY_QUERIES:
+        raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
+    if key_queries == "context" and method not in CONTEXT_KEYED:
+        raise ValueError(
+            f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)}, not {method}'s"
+        )
+    return key_queries
+
+
 def default_query_source(method: str, device: torch.device) -> str:
     """The reference queries `method` takes on `device` when a request names none."""
     if method in BANDED_ON_CPU and device.type == "cpu":
@@ -373,13 +386,7 @@ def compact_row(
         raise ValueError(
             f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
         )
-    key_queries = key_queries or default_key_queries(method)
-    if key_queries not in KEY_QUERIES:
-        raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
-    if key_queries == "context" and method not in CONTEXT_KEYED:
-        raise ValueError(
-            f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)}, not {method}'s"
-        )
+    key_queries = resolve_key_queries(method, key_queries)
     length = cache.lengths[row]
     region = length - keep_recent
     if keep_recent < 0 or region < 1:
@@ -414,7 +421,8 @@ def compact_row(
         fit.head_targets = compaction_budgets.from_schedule(schedule, target, region)
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
     ranking: Iterator[Tensor | None] = itertools.repeat(None)  # per layer, keys ranked by
-    if key_queries == "context" and query_source != "context":
+    own = key_queries == "context" and query_source == "context"  # by the fitted queries
+    if key_queries == "context" and not own:
         ranking = (
             iter(key_reference)
             if key_reference is not None
@@ -437,7 +445,6 @@ def compact_row(
                 )
             )
         for layer, q in enumerate(queries):
-            own = key_queries == "context" and query_source == "context"
             fit(layer, q, q if own else next(ranking))  # the context's queries in step
             n_queries = int(q.shape[1])
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))

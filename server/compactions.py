@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core_share import CoreShare
-from engine.kv_compaction import CONTEXT_KEYED, OnEngine, compact_row
+from engine.kv_compaction import OnEngine, compact_row, resolve_key_queries
 from engine.served_model import ServedModel
 from engine.session_store import Session
 from server.errors import APIError
@@ -131,18 +131,16 @@ async def compact(
     state: ServerState, served: ServedModel, session: Session, req: CompactRequest
 ) -> dict:
     """A requested compaction of the session: checked (400), run, committed."""
+    try:
+        resolve_key_queries(req.method, req.key_queries)
+    except ValueError as e:
+        raise APIError(400, str(e), param="key_queries") from None
     async with locked(state.sessions, session, state.settings.session_lock_wait):
         await load_cache(state, served, session)
         cache = session.cache
         if cache is None or cache.lengths[0] == 0:
             raise APIError(400, "the session's cache is empty", param="session_id")
         target = _target(cache.lengths[0], req)
-        if req.key_queries == "context" and req.method not in CONTEXT_KEYED:
-            raise APIError(
-                400,
-                f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)} only",
-                param="key_queries",
-            )
         body = await _run(
             state,
             served,
