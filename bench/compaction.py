@@ -285,13 +285,6 @@ def _parts(method: str) -> Spec:
     return Spec(name, source or QUERY_SOURCE[name], quantize, budgets, keys)
 
 
-def _sources(method: str) -> set[str]:
-    """The query sources `method` reads: its reference queries', and the context's where they
-    rank its keys."""
-    spec = _parts(method)
-    return {spec.source} | ({"context"} if spec.keys == "context" else set())
-
-
 def _compact(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
     spec = _parts(method)
@@ -311,7 +304,6 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
         budgets=spec.budgets,
         schedule=_schedule(model, args) if spec.budgets == "measured" else None,
         key_queries=spec.keys,
-        key_reference=(captured or {}).get("context") if spec.keys == "context" else None,
     )
 
 
@@ -566,7 +558,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prefill_s = time.perf_counter() - started
         # Every method and ratio of this context reads the same reference queries: captured
         # once per source (on-policy ones depend on the fit and are captured each time).
-        sources = set().union(*(_sources(m) for m in args.methods))
+        # (The context queries that rank keys, a sample re-read from the row, each compaction
+        # reads itself: `engine.kv_compaction.context_key_queries`.)
+        sources = {_parts(m).source for m in args.methods}
         captured = {
             src: list(reference_queries(model, tok, full, 0, ids, src))
             for src in sorted(sources - {"on-policy"})

@@ -38,7 +38,7 @@ SINKS = 4  # StreamingLLM's attention sinks; Expected Attention keeps as many
 SNAPKV_WINDOW = 32
 SNAPKV_KERNEL = 7
 EXPECTED_FUTURE = 512  # Expected Attention's future positions
-QUERY_CHUNK = 1024  # context queries scored at a time (bounds the [G, chunk, T] scores)
+QUERY_CHUNK = 256  # context queries scored at a time (bounds the [G, chunk, T] scores)
 
 
 def streaming(total: int, t: int, sinks: int = SINKS) -> Tensor:
@@ -61,11 +61,15 @@ def _top(score: Tensor, t: int, forced: Tensor) -> Tensor:
 def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
     """Attention of the context's own queries (h.head_queries [G, n, D], rows `rows` of them)
     as it was at prefill: each query's softmax over the row's keys at or before its position
-    (the region's, then the exact tail's). Yields, per chunk of queries, the probabilities on
-    the region's keys [G, chunk, T]."""
+    (the region's, then the exact tail's). Yields, per chunk of queries, their probabilities
+    on the region's first k keys [G, chunk, k] (no query of the chunk sees past those). The
+    queries go in position order, QUERY_CHUNK at a time, each chunk over the keys up to its
+    last one's position only: a causal pass reads about half the keys, like its prefill."""
     q_all, q_pos = h.head_queries, h.query_positions
     if rows is not None:
         q_all, q_pos = q_all[:, rows], q_pos[rows]
+    order = q_pos.argsort(stable=True)
+    q_all, q_pos = q_all[:, order], q_pos[order]
     keys, pos, bias = h.keys.float(), h.key_positions, h.bias
     region = keys.shape[0]
     if bias is None:
@@ -76,9 +80,10 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
         bias = torch.cat([bias.float(), h.tail_bias.float()])
     for start in range(0, q_all.shape[1], QUERY_CHUNK):
         q = q_all[:, start : start + QUERY_CHUNK].float()  # [G, c, D]
-        s = q @ keys.T * h.scale + bias.float()  # [G, c, T + R]
-        hidden = pos[None, :] > q_pos[start : start + QUERY_CHUNK, None]  # [c, T + R]
-        s = s.masked_fill(hidden, float("-inf"))
+        at = q_pos[start : start + QUERY_CHUNK]  # [c], ascending
+        seen = max(1, int((pos <= at[-1]).sum()))  # the keys' positions ascend: a prefix
+        s = q @ keys[:seen].T * h.scale + bias[:seen].float()  # [G, c, seen]
+        s = s.masked_fill(pos[None, :seen] > at[:, None], float("-inf"))
         yield torch.softmax(s, dim=-1)[..., :region]
 
 
@@ -88,7 +93,7 @@ def accumulated_attention(h) -> Tensor:
     before it)."""
     accumulated = torch.zeros(h.keys.shape[0])
     for p in causal_probabilities(h):
-        accumulated += p.sum(dim=(0, 1))
+        accumulated[: p.shape[-1]] += p.sum(dim=(0, 1))
     return accumulated
 
 
@@ -106,7 +111,9 @@ def snapkv(h, t: int, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL) 
     the window's own keys (those inside the region) are always kept."""
     total = h.keys.shape[0]
     n = h.head_queries.shape[1]
-    votes = sum(p.sum(dim=1) for p in causal_probabilities(h, slice(max(0, n - window), n)))
+    votes = torch.zeros(h.head_queries.shape[0], total)  # [G, T]
+    for p in causal_probabilities(h, slice(max(0, n - window), n)):
+        votes[:, : p.shape[-1]] += p.sum(dim=1)
     pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel, 1, kernel // 2)[:, 0]
     last = int(h.query_positions[-1]) if n else total - 1
     in_window = (h.key_positions > last - window).nonzero().flatten()

@@ -243,17 +243,24 @@ def _stages(
     cache: KVCache | None = None,
     row: int = 0,
     band: Band | None = None,
+    reread: Tensor | None = None,
 ):
     """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
-    a cache row (attending to its real slots, or those of the `band`, committing nothing).
-    Nothing runs the model yet (the cache, locked by the caller and used by no one else, grows
-    here, off the engine)."""
+    a cache row (attending to its real slots, or those of the `band`, committing nothing), or
+    (`reread`, their slots) as the row's own tokens read again. Nothing runs the model yet (the
+    cache, locked by the caller and used by no one else, grows here, off the engine)."""
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
         return model.forward_stages(tokens, pace=pace)
     cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
     return model.forward_stages(
-        tokens, cache=cache, rows=(row, row + 1), commit=False, pace=pace, band=band
+        tokens,
+        cache=cache,
+        rows=(row, row + 1),
+        commit=False,
+        pace=pace,
+        band=band,
+        reread=reread,
     )
 
 
@@ -328,6 +335,39 @@ def reference_queries(
         yield torch.cat(parts, dim=1)
 
 
+def context_key_queries(
+    model: Transformer,
+    cache: KVCache,
+    row: int,
+    context_ids: list[int],
+    count: int,
+    seed: int,
+    on_engine: OnEngine = inline,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Per layer, in layer order: the context's own queries [H, n, D] fp32 at n <= `count`
+    seeded random positions, and those positions [n] (ascending), for ranking keys
+    (KEY_QUERIES). Where the row's slots are its tokens (never compacted), just those tokens
+    are run again over the row's cache, each seeing the slots up to its own as at prefill
+    (`models.attention.reread_mask`): the same queries a causal pass over the whole context
+    would give there, for count / T of its projections and MLPs (`count` is a few hundred
+    where the fits take a few thousand queries) and about half its attention per token. Else
+    the whole context's causal pass. The pass is set up (the cache grown) here; it runs as
+    the iterator is read."""
+    engine = (
+        on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
+    )
+    n = len(context_ids)
+    if cache.logical[row] == cache.lengths[row] == n and count < n:
+        generator = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(n, generator=generator)[:count].sort().values  # [count]
+        ids = [context_ids[i] for i in slots.tolist()]
+        stages = _stages(model, ids, engine.pace, cache, row, reread=slots)
+    else:
+        slots = torch.arange(n)
+        stages = _stages(model, context_ids, engine.pace)
+    return ((q, slots) for q in engine.layers(stages, model.config.num_layers))
+
+
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
 def compact_row(
     model: Transformer,
@@ -350,7 +390,6 @@ def compact_row(
     budgets: str = "uniform",
     schedule: list[list[float]] | None = None,
     key_queries: str | None = None,
-    key_reference: list[Tensor] | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -372,8 +411,8 @@ def compact_row(
     `schedule` (per layer, per KV head, its share: `compaction_budgets.load_schedule`). The
     segment is then as long as its longest head, the others' extra slots masked.
     `key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES; by default
-    `default_key_queries`); `key_reference`: the context queries per layer captured before on
-    this row (as `reference`), for "context"."""
+    `default_key_queries`): "context" takes `context_key_queries`, max_queries / group of
+    them (each KV head ranks by its group's queries at those positions)."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or default_query_source(method, model.device)
@@ -420,14 +459,13 @@ def compact_row(
             raise ValueError("this model has no measured budget schedule (budgets)")
         fit.head_targets = compaction_budgets.from_schedule(schedule, target, region)
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
-    ranking: Iterator[Tensor | None] = itertools.repeat(None)  # per layer, keys ranked by
+    # Per layer, the context queries and their positions that rank the keys, where any do.
+    ranking: Iterator[tuple[Tensor, Tensor] | None] = itertools.repeat(None)
     own = key_queries == "context" and query_source == "context"  # by the fitted queries
     if key_queries == "context" and not own:
-        ranking = (
-            iter(key_reference)
-            if key_reference is not None
-            else reference_queries(model, tokenizer, cache, row, context_ids, "context", engine)
-        )
+        group = model.config.num_heads // model.config.num_kv_heads
+        count = max(1, max_queries // group)
+        ranking = context_key_queries(model, cache, row, context_ids, count, seed + 1, engine)
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine, ranking)
     else:
@@ -445,7 +483,8 @@ def compact_row(
                 )
             )
         for layer, q in enumerate(queries):
-            fit(layer, q, q if own else next(ranking))  # the context's queries in step
+            # the context's queries in step
+            fit(layer, q, (q, torch.arange(q.shape[1])) if own else next(ranking))
             n_queries = int(q.shape[1])
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
@@ -521,11 +560,11 @@ class _LayerFit:
         return max(max(heads) for heads in self.head_targets)
 
     def __call__(
-        self, layer: int, queries: Tensor, ranking: Tensor | None = None
+        self, layer: int, queries: Tensor, ranking: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """queries [H, n, D] -> this layer's (keys [Hkv, t, D], values, beta [Hkv, t]), fitted
-        through `on_fit`; `ranking` [H, T', D]: the context's own queries, in position order,
-        where they rank the keys (key_queries="context")."""
+        through `on_fit`; `ranking`: the context's own queries [H, n', D] and their positions
+        [n'], where they rank the keys (key_queries="context")."""
 
         def work() -> tuple[Tensor, Tensor, Tensor]:
             with torch.no_grad():  # grad mode is per thread: say it where the work runs
@@ -534,7 +573,7 @@ class _LayerFit:
         return self.on_fit(work)
 
     def _fit(
-        self, layer: int, queries: Tensor, ranking: Tensor | None
+        self, layer: int, queries: Tensor, ranking: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         cfg, region = self.cfg, self.region
         group = cfg.num_heads // cfg.num_kv_heads
@@ -561,8 +600,8 @@ class _LayerFit:
             if self.method in CONTEXT_SCORED:
                 self._add_context(h, q[g * group : (g + 1) * group], keys[g], bias, g)
             elif ranking is not None:
-                own = ranking[g * group : (g + 1) * group].cpu()  # [G, T', D]
-                sample, positions = self._sample(own)
+                own = ranking[0][g * group : (g + 1) * group].cpu()  # [G, n', D]
+                sample, positions = self._sample(own, ranking[1])
                 self._add_context(h, sample[None], keys[g], bias, g, positions)
                 h.context_keys = True
             if future is not None:
@@ -587,12 +626,12 @@ class _LayerFit:
         self.biases.append(out[2])
         return out
 
-    def _sample(self, group_queries: Tensor) -> tuple[Tensor, Tensor]:
-        """The group's context queries [G, n, D] pooled, at most `max_queries` of them (a seeded
-        random subset): [n', D] and their positions [n']."""
+    def _sample(self, group_queries: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
+        """The group's context queries [G, n, D] at positions `at` [n] pooled, at most
+        `max_queries` of them (a seeded random subset): [n', D] and their positions [n']."""
         g, n, d = group_queries.shape
         pooled = group_queries.reshape(g * n, d)
-        positions = torch.arange(n).repeat(g)
+        positions = at.cpu().repeat(g)
         if pooled.shape[0] > self.max_queries:
             pick = torch.randperm(pooled.shape[0], generator=self.key_generator)
             pick = pick[: self.max_queries].sort().values
@@ -673,7 +712,7 @@ def _on_policy(
     context_ids: list[int],
     fit: _LayerFit,
     engine: _Engine,
-    ranking: Iterator[Tensor | None],
+    ranking: Iterator[tuple[Tensor, Tensor] | None],
 ) -> int:
     """Compact every layer in one staged pass of the repeat sequence over a working copy of the
     row: layer l is fitted from its queries (its keys ranked by `ranking`'s, the context's

@@ -126,6 +126,19 @@ class Band:
         return torch.where(slot < cached, in_cache, in_new)
 
 
+def reread_mask(slots: Tensor, cached: int) -> AttentionMask:
+    """The mask of new tokens that are cached ones read again (new token i is the one cached
+    at slot slots[i], slots [Q] int64, ascending): each sees the cached slots up to its own
+    (its own key as cached) and no new token, just as when the row was prefilled. So a few of
+    a row's tokens can be run through the model again, each getting the very queries it had at
+    prefill (a compaction's sample of the context's own queries), at the cost of those tokens
+    alone. bool [1, 1, Q, cached + Q]; on a CPU the attention runs without it
+    (`models.flash_continuation.reread_rows`)."""
+    keys = torch.arange(cached + slots.shape[0], device=slots.device)
+    visible = keys[None, :] <= slots[:, None]  # [Q, K]: every slot < cached, no new token
+    return AttentionMask(visible[None, None], False, visible.shape[1], reread=slots)
+
+
 def disjoint(ranges, first: int, end: int) -> list[tuple[int, int]]:
     """Index ranges [lo, hi) clipped to [first, end), merged where they overlap, in order."""
     clipped = []
@@ -156,6 +169,7 @@ class AttentionMask:
     is_causal: bool
     key_len: int
     band: Band | None = None  # narrows what each query sees further (`Band`)
+    reread: Tensor | None = None  # the cached slots the new tokens are (`reread_mask`)
 
     def rows(self, start: int, stop: int, q_len: int, device: torch.device) -> AttentionMask:
         """The mask of queries [start, stop) of the Q = q_len new tokens (attention computed in

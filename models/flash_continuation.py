@@ -13,6 +13,8 @@ chunked with masks vs 0.47 s (bf16), 0.80 vs 0.43 s (fp32).
 This is what a compaction's repeat-prefill and a session's chunked prefill run: long
 continuations of long caches. With a `Band` (a compaction's banded repeat pass), each of its
 blocks of new tokens attends to the few key ranges the band lets it see: O(Q x window) work.
+Cached tokens read again (`models.attention.reread_mask`: a compaction's sample of the
+context's own queries) each read their own prefix of the cache (`reread_rows`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def applies(q: Tensor, mask: AttentionMask) -> bool:
         and mask.visible is None
         and mask.key_len >= q.shape[2]
     )
+
+
+def rereads(q: Tensor, mask: AttentionMask) -> bool:
+    """Whether q [B, H, Q, D] are cached tokens read again (`models.attention.reread_mask`),
+    whose attention this module computes on a CPU (`reread_rows`)."""
+    return _FLASH is not None and q.device.type == "cpu" and mask.reread is not None
 
 
 def per_head(
@@ -88,6 +96,41 @@ def attend_rows(
         parts.append(_part(rows, k[:, :, before], v[:, :, before], scale, False, None))
     own = slice(cached + start, cached + stop)
     parts.append(_part(rows, k[:, :, own], v[:, :, own], scale, True, None))
+    return _merge(parts, q.dtype)
+
+
+def reread_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    start: int,
+    stop: int,
+    slots: Tensor,
+) -> Tensor:
+    """Attention of rows [start, stop) of re-read cached tokens (q [B, H, Q, D]; row i is the
+    token cached at slots[i], ascending, and sees the cached slots [0, slots[i]]) over k, v
+    [B, H, K, D] and bias [B, H, 1, K] or None -> [B, H, stop - start, D]: the slots all of
+    the rows see, [0, slots[start]], without a mask, then those up to the last row's own under
+    one, merged by log-sum-exp. So each row reads about its own prefix, not all K keys."""
+    rows = q[:, :, start:stop]
+    own = slots[start:stop].to(q.device)  # [c]
+    first, last = int(own[0]) + 1, int(own[-1]) + 1
+    seen = None if bias is None else bias[..., :first]
+    parts = [_part(rows, k[:, :, :first], v[:, :, :first], scale, False, seen)]
+    if last > first:
+        span = torch.arange(first, last, device=q.device)
+        hidden = span[None, :] > own[:, None]  # [c, w]
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(hidden, float("-inf"))[None, None]  # [1, 1, c, w]
+        if bias is not None:
+            mask = mask + bias[..., first:last]
+        out, lse = _part(rows, k[:, :, first:last], v[:, :, first:last], scale, False, mask)
+        # A row that sees none of these keys (the first) gets output 0 and log-sum-exp 0 from
+        # the kernel: it must weigh nothing in the merge.
+        lse = lse.masked_fill(hidden.all(-1), float("-inf"))
+        parts.append((out, lse))
     return _merge(parts, q.dtype)
 
 

@@ -31,6 +31,10 @@ STAGE_MLP_TOKENS = 256
 # and 1,024 tokens, 25 ms at the median, took 17.1 s; 1,291 pieces of 1 << 23 and 512, 21.7 s.
 STAGE_IDLE_ATTENTION_ELEMENTS = 1 << 25
 STAGE_IDLE_MLP_TOKENS = 2048
+# Cached tokens read again attend in chunks of at most this many (`flash_continuation.
+# reread_rows`): a chunk's rows read all the slots up to its first one's unmasked, and the
+# span to its last one's under a mask, so small chunks read little more than their prefixes.
+REREAD_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +162,16 @@ class Attention(nn.Module):
                 )
                 outs.append(rows)
             return self._output(torch.cat(outs, dim=2))
+        if flash_continuation.rereads(q, mask):  # cached tokens read again, on a CPU
+            kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
+            for start, stop in self._query_chunks(q, k, pace, None, REREAD_ROWS):
+                if outs:
+                    yield None
+                rows = flash_continuation.reread_rows(
+                    q, kh, vh, bh, self.scale, start, stop, mask.reread
+                )
+                outs.append(rows)
+            return self._output(torch.cat(outs, dim=2))
         for chunk in self._query_chunks(q, k, pace, ATTENTION_CHUNK_ELEMENTS):
             if outs and pace is not None:
                 yield None
@@ -183,19 +197,21 @@ class Attention(nn.Module):
 
     @staticmethod
     def _query_chunks(
-        q: Tensor, k: Tensor, pace: Pace | None, limit: int | None
+        q: Tensor, k: Tensor, pace: Pace | None, limit: int | None, max_rows: int | None = None
     ) -> Iterator[tuple[int, int]]:
         """Query rows [start, stop) whose [B, H, rows, K] query-key pairs stay under `limit`
         (ATTENTION_CHUNK_ELEMENTS: an explicit mask, a per-key bias on compacted slots or a
         visibility mask, would otherwise make SDPA build a float mask and a score matrix over
         all of [B, H, Q, K], gigabytes for a long sequence over a long cache) and the pace's
-        piece size, asked anew before each chunk (the caller yields between them)."""
+        piece size, asked anew before each chunk (the caller yields between them), and at most
+        `max_rows` rows."""
         batch, h, q_len, _ = q.shape
         pairs = max(1, batch * h * k.shape[2])
         start = 0
         while start < q_len:
             elements = min(limit or 1 << 62, pace.attention_elements() if pace else 1 << 62)
-            stop = min(q_len, start + max(1, elements // pairs))
+            rows = min(max(1, elements // pairs), max_rows or q_len)
+            stop = min(q_len, start + rows)
             yield start, stop
             start = stop
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from models import kernels
-from models.attention import AttentionMask, AttentionPattern, Band, build_mask
+from models.attention import AttentionMask, AttentionPattern, Band, build_mask, reread_mask
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import Block, Linear, Pace, RMSNorm
@@ -200,6 +200,7 @@ class Transformer(nn.Module):
         rows: tuple[int, int] | None = None,
         pace: Pace | None = None,
         band: Band | None = None,
+        reread: Tensor | None = None,
     ) -> Generator[Tensor | None, None, Tensor]:
         """forward() in bounded pieces, always on the PyTorch path: yields each layer's
         post-RoPE queries [B, H, Q, D] before that layer attends, None between the query
@@ -209,21 +210,30 @@ class Transformer(nn.Module):
         projections), so the caller can spread a long forward over short pieces of work, and
         may change a layer's cache slots between its queries and its attention (on-policy
         compaction). `rows` as in forward(); `band` narrows the attention of a continuation
-        (`models.attention.Band`: a compaction's banded repeat pass)."""
+        (`models.attention.Band`: a compaction's banded repeat pass). `reread` [Q] int64: the
+        new tokens of a one-row cache are its cached tokens at these slots, read again, at
+        their own positions (`models.attention.reread_mask`; commit nothing)."""
         pace = pace or Pace()
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
             out = yield from self.forward_stages(
-                input_ids, cache=view, commit=commit, pace=pace, band=band
+                input_ids, cache=view, commit=commit, pace=pace, band=band, reread=reread
             )
             cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
         if cache is not None:
             cache.ensure_capacity(max(cache.lengths) + q_len)
-        cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
-        mask = self._mask(None, positions, cache, None, True)
-        mask.band = band
+        if reread is not None:
+            if cache is None or batch != 1 or band is not None:
+                raise ValueError("reread needs a one-row cache and no band")
+            positions = reread.to(self.device)[None]  # [1, Q]
+            cos, sin, positions = self._rope_for(batch, q_len, positions, cache, None)
+            mask = reread_mask(positions[0], cache.lengths[0])
+        else:
+            cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
+            mask = self._mask(None, positions, cache, None, True)
+            mask.band = band
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):

@@ -8,6 +8,7 @@ import torch
 import tiny_models
 from models.attention import AttentionPattern
 from models.loading import load_model
+from models.transformer import new_capture
 
 
 @pytest.fixture(scope="module")
@@ -407,3 +408,51 @@ def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
     torch.testing.assert_close(wide, full, atol=1e-5, rtol=1e-5)
     assert (masked - full).abs().max() > 1e-3
     assert cache.lengths == [40]
+
+
+def test_cached_tokens_read_again_get_the_queries_and_states_they_had_at_prefill(
+    llama_pair, monkeypatch
+):
+    """A few of a row's cached tokens run again (`reread`, in small paused pieces) each see
+    the slots up to their own, at their own positions: every layer's queries and the final
+    states equal the whole causal pass's at those positions, on the CPU flash parts (in
+    chunks of a few rows, some of which see nothing past the first one's slot) and on the
+    masked path alike, and the cache is left as it was. Seeing every cached slot, they would
+    not."""
+    from models import flash_continuation, layers
+
+    _, model = llama_pair
+    ids = _ids(40)
+    slots = torch.tensor([0, 3, 17, 18, 39])
+
+    def reread() -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        stages = model.forward_stages(ids[:, slots], cache=cache, commit=False, reread=slots)
+        items = []
+        try:
+            while True:
+                items.append(next(stages))
+        except StopIteration as done:
+            return [q for q in items if q is not None], done.value, len(items)
+
+    with torch.no_grad():
+        capture = new_capture(model)
+        whole = model(ids, capture=capture)  # [1, 40, hidden]
+        cache = model.new_cache(1, 128)
+        model(ids, cache=cache)
+        monkeypatch.setattr(layers, "STAGE_MLP_TOKENS", 2)
+        runs = [reread()]
+        monkeypatch.setattr(layers, "REREAD_ROWS", 2)  # (0, 3), (17, 18), (39)
+        runs.append(reread())
+        monkeypatch.setattr(flash_continuation, "_FLASH", None)
+        runs.append(reread())
+        seeing_all = model(ids[:, slots], cache=cache, positions=slots[None], commit=False)
+    assert runs[1][2] > runs[0][2]  # more pieces: the attention in three chunks
+    for queries, again, pieces in runs:
+        assert len(queries) == len(model.layers) and pieces > 3 * len(model.layers)
+        for layer, q in enumerate(queries):
+            torch.testing.assert_close(q, capture[layer][0][:, :, slots], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again, whole[:, slots], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(seeing_all, whole[:, slots], atol=1e-3)
+    assert cache.lengths == [40] and cache.logical == [40]
+    with pytest.raises(ValueError, match="reread"):
+        next(model.forward_stages(ids[:, :2], reread=slots[:2]))

@@ -429,22 +429,55 @@ def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
             compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)
 
 
-def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny):
+def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(tiny):
+    """context_key_queries re-reads `count` seeded random tokens of a row never compacted:
+    per layer, exactly the queries a causal pass over the whole context has there, the cache
+    untouched; on a row compacted before (its slots no longer its tokens), the whole pass."""
+    from engine.kv_compaction import compact_row, context_key_queries, reference_queries
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    full = _prefilled(model, ids)
+    whole = list(reference_queries(model, tok, full, 0, ids, "context"))  # [H, T, D] each
+    sampled = list(context_key_queries(model, full, 0, ids, 12, seed=3))
+    at = sampled[0][1]
+    assert len(sampled) == model.config.num_layers and at.shape == (12,)
+    assert bool((at.diff() > 0).all()) and int(at[-1]) < 100  # distinct, in order
+    for layer, (q, positions) in enumerate(sampled):
+        assert torch.equal(positions, at)
+        torch.testing.assert_close(q, whole[layer][:, at], atol=1e-5, rtol=1e-5)
+    assert full.lengths == [100] and full.logical == [100]
+    other = next(iter(context_key_queries(model, full, 0, ids, 12, seed=4)))[1]
+    assert not torch.equal(other, at)
+    compacted = full.extract_row(0)
+    compact_row(model, tok, compacted, 0, ids, 30, "streaming", keep_recent=10)
+    again = list(context_key_queries(model, compacted, 0, ids, 12, seed=3))
+    assert torch.equal(again[0][1], torch.arange(100))
+    torch.testing.assert_close(again[-1][0], whole[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_queries", [2048, 24])
+def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, max_queries):
     """compact_row's am-highest (key_queries="context", its default) on a model row: each KV
     head keeps the top-t region keys by the causal attention of its group's context queries
-    (one prefill of the context, all of them here: fewer than max_queries), over the region
-    and the exact tail; "reference" ranks by the repeat queries instead, other keys."""
-    from engine.kv_compaction import compact_row, reference_queries
+    (`context_key_queries`: all of them where they are fewer than max_queries, else
+    max_queries / group positions re-read), over the region and the exact tail; "reference"
+    ranks by the repeat queries instead, other keys."""
+    from engine.kv_compaction import compact_row, context_key_queries
 
     model, tok = tiny
     cfg = model.config
     group = cfg.num_heads // cfg.num_kv_heads
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     full = _prefilled(model, ids)
-    context = list(reference_queries(model, tok, full, 0, ids, "context"))  # [H, T, D] each
+    count = max_queries // group
+    context = list(context_key_queries(model, full, 0, ids, count, seed=1))  # the seed's + 1
+    assert context[0][0].shape[1] == min(count, 100)
     region, t = 92, 20
     cache = full.extract_row(0)
-    report = compact_row(model, tok, cache, 0, ids, t, "am-highest", "repeat", keep_recent=8)
+    report = compact_row(
+        model, tok, cache, 0, ids, t, "am-highest", "repeat", 8, max_queries=max_queries
+    )
     assert report.key_queries == "context" and cache.lengths == [t + 8]
     by_reference = full.extract_row(0)
     compact_row(
@@ -455,10 +488,11 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny):
         keys, _, _ = full.read(0, layer)  # [Hkv, T, D]
         kept, _, _ = cache.read(0, layer)
         other, _, _ = by_reference.read(0, layer)
+        queries, at = context[layer]  # [H, n, D], [n]
         for g in range(cfg.num_kv_heads):
-            q = context[layer][g * group : (g + 1) * group]  # [G, T, D]
-            s = q @ keys[g].float().T * cfg.head_dim**-0.5  # [G, T, T]
-            s = s.masked_fill(torch.ones(100, 100, dtype=torch.bool).triu(1), -math.inf)
+            q = queries[g * group : (g + 1) * group]  # [G, n, D]
+            s = q @ keys[g].float().T * cfg.head_dim**-0.5  # [G, n, T]
+            s = s.masked_fill(torch.arange(100)[None, :] > at[:, None], -math.inf)
             score = torch.softmax(s, dim=-1).sum(dim=(0, 1))[:region]  # [region]
             # The kept keys are original ones: which, and are they the t best (up to ties)?
             match = (kept[g, :t, None, :] == keys[g, None, :region, :]).all(-1)  # [t, region]

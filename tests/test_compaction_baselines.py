@@ -108,3 +108,24 @@ def test_context_scored_baselines_need_the_contexts_queries(method):
     h.head_queries = None
     with pytest.raises(ValueError, match="context"):
         compact_head(h, 8, method)
+
+
+def test_accumulated_attention_is_the_causal_softmax_summed_in_any_query_order(monkeypatch):
+    """H2O's score, computed in chunks of position-sorted queries over the keys up to each
+    chunk's last position only, equals the dense causal softmax summed over the queries,
+    whatever order the queries come in, with keys after the region (the tail) in the softmax."""
+    gen = torch.Generator().manual_seed(3)
+    h = _context_head(total=48, seed=3)
+    h.head_queries = torch.randn(2, 60, 16, generator=gen)  # two heads, 60 queries
+    h.query_positions = torch.randint(0, 56, (60,), generator=gen)  # unsorted, repeats
+    h.tail_keys = torch.randn(8, 16, generator=gen)
+    h.tail_bias = torch.randn(8, generator=gen)
+    h.tail_positions = torch.arange(48, 56)
+    h.bias = torch.randn(48, generator=gen)
+    keys = torch.cat([h.keys, h.tail_keys])
+    bias = torch.cat([h.bias, h.tail_bias])
+    s = h.head_queries @ keys.T * h.scale + bias  # [2, 60, 56]
+    s = s.masked_fill(torch.arange(56)[None, :] > h.query_positions[:, None], float("-inf"))
+    want = torch.softmax(s, dim=-1).sum(dim=(0, 1))[:48]
+    monkeypatch.setattr(baselines, "QUERY_CHUNK", 7)
+    torch.testing.assert_close(baselines.accumulated_attention(h), want, atol=1e-5, rtol=1e-5)
