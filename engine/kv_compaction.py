@@ -20,9 +20,10 @@
      its queries and its attention.
    Queries that come after the context are the useful reference: they are what later requests
    look like, and a bias fitted to the context's own queries does not carry over to them.
-   am-highest's keys are ranked by the context's own queries as well (KEY_QUERIES): their
-   causal attention at prefill, accumulated, while beta and the values are fitted on the
-   reference queries.
+   The am-highest variants' keys are ranked by the context's own queries as well
+   (KEY_QUERIES): the causal attention a sample of them paid at prefill, accumulated (the
+   sampled tokens run again over the row's cache: `context_key_queries`), while beta and the
+   values are fitted on the reference queries.
 2. Per layer and KV head, `engine.attention_matching.compact_head` on the region
    [0, T - keep_recent) (which may already hold compacted slots with biases: compaction
    composes).
@@ -93,28 +94,29 @@ BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
 
 
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are
-# fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context": one
-# causal pass over the context, the paper's context-prefill queries, in step with the
-# reference pass; each KV head ranks by up to `max_queries` of its group's, a seeded random
-# subset; beta and the values stay fitted on the reference queries). Facts kept, 2K contexts,
-# medians of 5, Austen | the Python reference, 10x / 20x (`python -m bench.compaction
-# [--text python-reference] --contexts 5 --lengths 2048 --ratios 10 20 --methods am-highest
-# am-highest-fast+ctxkeys h2o`): am-highest 0.36 | 0.45 / 0.16 | 0.22 -> 0.58 | 0.55 /
-# 0.45 | 0.35, am-highest-fast 0.44 | 0.45 / 0.17 | 0.30 -> 0.59 | 0.54 / 0.46 | 0.34; H2O,
-# the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read the token each
-# one copies; later questions read the keys the context's own queries did. (Fitting beta and
-# the values on the context queries too is what does not carry over: continuation probe
-# down to -17.) The price is that pass: at 4K tokens on 2 cores am-highest took 26.2 -> 39.7 s,
-# am-highest-fast 16.5 -> 31.1 s (`--timing`, bf16), so -fast keeps the reference ranking
-# unless asked.
+# fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context", the
+# paper's context-prefill queries: each KV head ranks by its group's queries at max_queries /
+# group seeded random positions of the context, `context_key_queries`, which re-reads just
+# those tokens from the row's cache; beta and the values stay fitted on the reference
+# queries). Facts kept, 2K contexts, medians of 5, Austen | the Python reference, 10x / 20x
+# (`python -m bench.compaction [--text python-reference] --contexts 5 --lengths 2048
+# --ratios 10 20 --methods am-highest am-highest-fast h2o`; +refkeys for the reference's):
+# am-highest 0.36 | 0.45 / 0.16 | 0.22 by the reference -> 0.58 | 0.52 / 0.48 | 0.33
+# by the context; am-highest-fast 0.44 | 0.45 / 0.17 | 0.30 -> 0.56 | 0.53 / 0.43 |
+# 0.32; H2O, the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read
+# the token each one copies; later questions read the keys the context's own queries did.
+# (Fitting beta and the values on the context queries too is what does not carry over:
+# continuation probe down to -17.) The price, at 4K tokens on 2 cores (fp32, AVX2,
+# `--timing`, two runs each, alternating): am-highest-fast 29.6 / 28.3 s by the reference,
+# 34.5 / 34.1 s by the context (a causal pass over the whole context instead: 47.9 / 55.1 s).
 KEY_QUERIES = ("context", "reference")
 CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
-DEFAULT_CONTEXT_KEYED = ("am-highest",)  # ... and do unless told: -fast spares the extra pass
 
 
 def default_key_queries(method: str) -> str:
-    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES)."""
-    return "context" if method in DEFAULT_CONTEXT_KEYED else "reference"
+    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES): the
+    context's, for the methods that can."""
+    return "context" if method in CONTEXT_KEYED else "reference"
 
 
 def resolve_key_queries(method: str, key_queries: str | None) -> str:

@@ -218,7 +218,7 @@ class CompactRequest(BaseModel):
     # "attention": the KV heads' slots by measured attention; "measured": by the model's
     # shipped schedule, 400 where it has none (engine.compaction_budgets).
     budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
-    # Whose attention ranks am-highest's keys: "context" (the context's own queries, its
-    # default) or "reference" (those it is fitted on, am-highest-fast's default); None: the
-    # method's own (engine.kv_compaction.default_key_queries).
+    # Whose attention ranks the am-highest variants' keys: "context" (the context's own
+    # queries, their default) or "reference" (those they are fitted on); None: the method's
+    # own (engine.kv_compaction.default_key_queries).
     key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]

@@ -117,3 +117,4 @@ def test_method_specs_name_source_budgets_quantization_and_key_ranking():
     )
     assert _parts("am-omp:repeat+self-study+attn").budgets == "attention"
     assert _parts("h2o").keys == "reference"
+    assert _parts("am-highest-fast").keys == "context"  # the server's default for it too

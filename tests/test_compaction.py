@@ -501,6 +501,8 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
             assert float(score[chosen].min()) >= float(score.topk(t + 1).values[-1]) - 1e-6
             differ |= not torch.equal(kept[g, :t], other[g, :t])
     assert differ  # the two rankings keep other keys
+    fast = compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-highest-fast", keep_recent=8)
+    assert fast.key_queries == "context"  # its default as well
     with pytest.raises(ValueError, match="key_queries"):
         compact_row(
             model, tok, full.extract_row(0), 0, ids, t, "am-omp", "repeat", 8, key_queries="context"
