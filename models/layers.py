@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -151,26 +152,21 @@ class Attention(nn.Module):
                 q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
             )
             return self._output(out)
+        # The CPU flash parts (no [Q, K] mask): a causal continuation of a cache, or cached
+        # tokens read again; each computes query rows [start, stop) by its own rule.
+        flash_rows, max_rows = None, None
+        if flash_continuation.applies(q, mask):
+            flash_rows = partial(flash_continuation.attend_rows, band=mask.band)
+        elif flash_continuation.rereads(q, mask):
+            flash_rows = partial(flash_continuation.reread_rows, slots=mask.reread)
+            max_rows = REREAD_ROWS
         outs = []
-        if flash_continuation.applies(q, mask):  # a causal continuation of a cache, on a CPU
+        if flash_rows is not None:
             kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
-            for start, stop in self._query_chunks(q, k, pace, None):
+            for start, stop in self._query_chunks(q, k, pace, None, max_rows):
                 if outs:
                     yield None
-                rows = flash_continuation.attend_rows(
-                    q, kh, vh, bh, self.scale, start, stop, mask.band
-                )
-                outs.append(rows)
-            return self._output(torch.cat(outs, dim=2))
-        if flash_continuation.rereads(q, mask):  # cached tokens read again, on a CPU
-            kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
-            for start, stop in self._query_chunks(q, k, pace, None, REREAD_ROWS):
-                if outs:
-                    yield None
-                rows = flash_continuation.reread_rows(
-                    q, kh, vh, bh, self.scale, start, stop, mask.reread
-                )
-                outs.append(rows)
+                outs.append(flash_rows(q, kh, vh, bh, self.scale, start, stop))
             return self._output(torch.cat(outs, dim=2))
         for chunk in self._query_chunks(q, k, pace, ATTENTION_CHUNK_ELEMENTS):
             if outs and pace is not None:
