@@ -238,6 +238,11 @@ def _urgency(on_engine: OnEngine) -> Callable[[], bool]:
     return lambda: urgent
 
 
+def _as_engine(on_engine: OnEngine) -> _Engine:
+    """`on_engine` as an `_Engine` (kept where it is one: a compaction's own, counting)."""
+    return on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
+
+
 def _stages(
     model: Transformer,
     ids: list[int],
@@ -317,9 +322,7 @@ def reference_queries(
     """Per layer, in layer order, [H, n, D] fp32: the queries of `source`, one of
     QUERY_SOURCES bar "on-policy" (which only exists during a compaction). The long forwards
     advance in step, one layer each, so one layer's queries are held at a time."""
-    engine = (
-        on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
-    )
+    engine = _as_engine(on_engine)
     streams: list[Iterator[Tensor]] = []
     layers = model.config.num_layers
     if source == "context":
@@ -355,9 +358,7 @@ def context_key_queries(
     where the fits take a few thousand queries) and about half its attention per token. Else
     the whole context's causal pass. The pass is set up (the cache grown) here; it runs as
     the iterator is read."""
-    engine = (
-        on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
-    )
+    engine = _as_engine(on_engine)
     n = len(context_ids)
     if cache.logical[row] == cache.lengths[row] == n and count < n:
         generator = torch.Generator().manual_seed(seed)
