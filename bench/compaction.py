@@ -480,8 +480,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "the KV heads' budgets by measured attention; +measured: by the model's schedule from "
         "bench/head_budgets.py; +ctxkeys / +refkeys: am-highest's keys ranked by the context's "
         "own queries / by the reference ones); the default source per method is the one its "
-        "paper uses, am-highest ranks by the context's queries, am-highest-fast by the "
-        "reference ones",
+        "paper uses, and both am-highest variants rank their keys by the context's queries",
     )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)

@@ -74,6 +74,7 @@ def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
                 policy.query_source,
                 policy.keep_recent,
                 quantize=quantize or None,
+                segment_slots=reports[-1].segment_slots if reports else None,
             )
             seconds += report.seconds["total"]
             reports.append(report)

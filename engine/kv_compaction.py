@@ -166,6 +166,9 @@ class CompactionReport:
     segment_slots: int  # the segment's length in the row: its longest head's slots
     head_slots: int  # slots the heads hold, all layers and heads together (without padding)
     reference_queries: int
+    # Tokens of the context whose own queries ranked the am-highest keys (key_queries "context";
+    # 0: the reference's did): a re-read sample, or its whole logical history where it had to be.
+    context_tokens: int
     output_error: float  # mean relative attention-output error over layers and heads
     seconds: dict[str, float] = field(default_factory=dict)  # queries, keys, beta, values
     # Pieces of model work and the longest of them (what the engine thread was held for).
@@ -348,27 +351,39 @@ def context_key_queries(
     count: int,
     seed: int,
     on_engine: OnEngine = inline,
+    segment: int | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Per layer, in layer order: the context's own queries [H, n, D] fp32 at n <= `count`
     seeded random positions, and those positions [n] (ascending), for ranking keys
-    (KEY_QUERIES). Where the row's slots are its tokens (never compacted), just those tokens
-    are run again over the row's cache, each seeing the slots up to its own as at prefill
+    (KEY_QUERIES). The row's slots that are its own tokens are all of them on a row never
+    compacted, and those after its first `segment` slots on a row compacted before (the
+    segment_slots of its last compaction; None: not known). Those tokens are run again over
+    the row's cache, each seeing the slots up to its own as at prefill
     (`models.attention.reread_mask`): the same queries a causal pass over the whole context
     would give there, for count / T of its projections and MLPs (`count` is a few hundred
-    where the fits take a few thousand queries) and about half its attention per token. Else
-    the whole context's causal pass. The pass is set up (the cache grown) here; it runs as
-    the iterator is read."""
+    where the fits take a few thousand queries) and about half its attention per token; on a
+    compacted row, the queries its tokens have over the cache as it is now, for a fraction of
+    a pass over its whole logical history (online compaction re-compacts such rows). Else
+    (a row never compacted with `count` >= T, a compacted one whose segment is not known) the
+    whole context's causal pass. The pass is set up (the cache grown) here; it runs as the
+    iterator is read."""
     engine = _as_engine(on_engine)
-    n = len(context_ids)
-    if cache.logical[row] == cache.lengths[row] == n and count < n:
+    n, length, logical = len(context_ids), cache.lengths[row], cache.logical[row]
+    if logical == length:
+        segment = 0  # every slot is a token (a segment always stands for more than its slots)
+    own = 0 if segment is None or not 0 <= segment < length else length - segment
+    if logical == n and own > 0 and (segment or count < n):
         generator = torch.Generator().manual_seed(seed)
-        slots = torch.randperm(n, generator=generator)[:count].sort().values  # [count]
-        ids = [context_ids[i] for i in slots.tolist()]
+        picked = torch.randperm(own, generator=generator)[:count].sort().values  # [n']
+        first = n - own  # the context index of the first token slot
+        ids = [context_ids[first + i] for i in picked.tolist()]
+        slots = picked + (length - own)
         stages = _stages(model, ids, engine.pace, cache, row, reread=slots)
+        positions = slots + (logical - length)
     else:
-        slots = torch.arange(n)
+        positions = torch.arange(n)
         stages = _stages(model, context_ids, engine.pace)
-    return ((q, slots) for q in engine.layers(stages, model.config.num_layers))
+    return ((q, positions) for q in engine.layers(stages, model.config.num_layers))
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -393,6 +408,7 @@ def compact_row(
     budgets: str = "uniform",
     schedule: list[list[float]] | None = None,
     key_queries: str | None = None,
+    segment_slots: int | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -415,7 +431,9 @@ def compact_row(
     segment is then as long as its longest head, the others' extra slots masked.
     `key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES; by default
     `default_key_queries`): "context" takes `context_key_queries`, max_queries / group of
-    them (each KV head ranks by its group's queries at those positions)."""
+    them (each KV head ranks by its group's queries at those positions). `segment_slots`: on
+    a row compacted before, its last compaction's (the report's); lets the context ranking
+    re-read the tokens after the segment instead of a causal pass over the whole history."""
     if method not in METHODS:
         raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or default_query_source(method, model.device)
@@ -468,7 +486,9 @@ def compact_row(
     if key_queries == "context" and not own:
         group = model.config.num_heads // model.config.num_kv_heads
         count = max(1, max_queries // group)
-        ranking = context_key_queries(model, cache, row, context_ids, count, seed + 1, engine)
+        ranking = context_key_queries(
+            model, cache, row, context_ids, count, seed + 1, engine, segment_slots
+        )
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine, ranking)
     else:
@@ -512,6 +532,7 @@ def compact_row(
         segment_slots=fit.slots,
         head_slots=fit.real_slots,
         reference_queries=n_queries,
+        context_tokens=fit.context_tokens,
         output_error=round(sum(fit.errors) / len(fit.errors), 5),
         seconds=seconds,
         engine_jobs=engine.jobs,
@@ -544,6 +565,7 @@ class _LayerFit:
     # Non-uniform budgets: per layer, per KV head, its slots (else `target` for all).
     head_targets: list[list[int]] | None = None
     real_slots: int = 0  # what the heads hold, summed
+    context_tokens: int = 0  # how many of the context's tokens' queries ranked the keys
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     biases: list[Tensor] = field(default_factory=list)
@@ -585,6 +607,8 @@ class _LayerFit:
         layer_k, layer_v, layer_b = [], [], []
         if self.budget is not None:
             self.budget.layer = layer
+        if ranking is not None:
+            self.context_tokens = int(ranking[1].numel())
         future = None
         if self.rope is not None:
             future = baselines.future_query_statistics(q, *self.rope)  # [H, D], [H, D, D]

@@ -212,7 +212,9 @@ class Transformer(nn.Module):
         compaction). `rows` as in forward(); `band` narrows the attention of a continuation
         (`models.attention.Band`: a compaction's banded repeat pass). `reread` [Q] int64: the
         new tokens of a one-row cache are its cached tokens at these slots, read again, at
-        their own positions (`models.attention.reread_mask`; commit nothing)."""
+        their own positions (`models.attention.reread_mask`; commit nothing; slot s is at
+        position s + logical - physical length, so on a compacted row only its slots after the
+        segment are tokens to re-read)."""
         pace = pace or Pace()
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
@@ -227,9 +229,12 @@ class Transformer(nn.Module):
         if reread is not None:
             if cache is None or batch != 1 or band is not None:
                 raise ValueError("reread needs a one-row cache and no band")
-            positions = reread.to(self.device)[None]  # [1, Q]
-            cos, sin, positions = self._rope_for(batch, q_len, positions, cache, None)
-            mask = reread_mask(positions[0], cache.lengths[0])
+            slots = reread.to(self.device)  # [Q]
+            # Slot s holds the token at position s + logical - physical: on a row compacted
+            # before, its tokens after the segment (which stands for more tokens than slots).
+            shift = cache.logical[0] - cache.lengths[0]
+            cos, sin, _ = self._rope_for(batch, q_len, (slots + shift)[None], cache, None)
+            mask = reread_mask(slots, cache.lengths[0])
         else:
             cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
             mask = self._mask(None, positions, cache, None, True)

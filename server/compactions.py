@@ -214,6 +214,14 @@ def _target(physical: int, req: CompactRequest) -> int:
     return target
 
 
+def _segment_slots(session: Session) -> int | None:
+    """The slots of the compacted segment that starts the session's cache: its last
+    compaction's (None before any)."""
+    last = session.compactions[-1] if session.compactions else {}
+    slots = last.get("segment_slots")
+    return slots if type(slots) is int else None
+
+
 async def _run(
     state: ServerState,
     served: ServedModel,
@@ -250,6 +258,7 @@ async def _run(
             budgets=budgets,
             schedule=served.budget_schedule,
             key_queries=key_queries,
+            segment_slots=_segment_slots(session),
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

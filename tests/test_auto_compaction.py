@@ -75,6 +75,14 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
                 target = policy.target(report["tokens_before"])
                 assert report["tokens_after"] == target + POLICY["keep_recent"]
                 assert info["physical_tokens"] == report["tokens_after"]
+                # Its keys ranked by the context's own queries: the first time by the whole
+                # context (fewer tokens than the sample), after that by the tokens after the
+                # segment, re-read, not a pass over the whole logical history.
+                tokens = report["tokens_before"]
+                if seen:
+                    tokens -= info["compactions"][-2]["segment_slots"]
+                    assert tokens < report["logical_length"]
+                assert report["context_tokens"] == tokens
                 seen += 1
             else:  # no compaction: the append left it within the policy
                 assert info["physical_tokens"] <= POLICY["max_tokens"], step

@@ -432,7 +432,7 @@ def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
 def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(tiny):
     """context_key_queries re-reads `count` seeded random tokens of a row never compacted:
     per layer, exactly the queries a causal pass over the whole context has there, the cache
-    untouched; on a row compacted before (its slots no longer its tokens), the whole pass."""
+    untouched; on a row compacted before whose segment is not known, the whole pass."""
     from engine.kv_compaction import compact_row, context_key_queries, reference_queries
 
     model, tok = tiny
@@ -449,11 +449,46 @@ def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(t
     assert full.lengths == [100] and full.logical == [100]
     other = next(iter(context_key_queries(model, full, 0, ids, 12, seed=4)))[1]
     assert not torch.equal(other, at)
+    # A segment named for a row whose slots are its tokens is not one (nothing changes).
+    named = list(context_key_queries(model, full, 0, ids, 12, seed=3, segment=30))
+    assert torch.equal(named[0][1], at) and torch.equal(named[-1][0], sampled[-1][0])
     compacted = full.extract_row(0)
     compact_row(model, tok, compacted, 0, ids, 30, "streaming", keep_recent=10)
     again = list(context_key_queries(model, compacted, 0, ids, 12, seed=3))
-    assert torch.equal(again[0][1], torch.arange(100))
+    assert torch.equal(again[0][1], torch.arange(100))  # segment not known: the whole pass
     torch.testing.assert_close(again[-1][0], whole[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("count", [6, 50])
+def test_context_key_queries_on_a_compacted_row_reread_the_tokens_after_its_segment(tiny, count):
+    """On a row compacted before, with its segment's slots known, context_key_queries
+    re-reads a sample of the tokens after the segment (all of them where they are fewer than
+    `count`): per layer, at their logical positions, exactly the queries those tokens get
+    when run as a continuation of the segment alone (its beta included), the cache
+    untouched."""
+    from engine.kv_compaction import compact_row, context_key_queries
+    from models.transformer import new_capture
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    cache = _prefilled(model, ids)
+    report = compact_row(model, tok, cache, 0, ids, 30, "am-highest", "repeat", keep_recent=10)
+    assert report.segment_slots == 30 and cache.lengths == [40] and cache.logical == [100]
+    assert any(bool(b[0, :, :30].abs().sum() > 0) for b in cache.biases)  # beta is in play
+    sampled = list(context_key_queries(model, cache, 0, ids, count, seed=3, segment=30))
+    at = sampled[0][1]
+    assert at.shape == (min(count, 10),) and bool((at.diff() > 0).all())
+    assert int(at[0]) >= 90 and int(at[-1]) < 100  # only the tokens after the segment
+    segment = cache.extract_row(0)
+    segment.reset(0, 30)  # the segment alone, logically 90 tokens long
+    captured = new_capture(model)
+    with torch.no_grad():
+        model(torch.tensor([ids[90:]]), cache=segment, capture=captured)
+    for layer, (q, positions) in enumerate(sampled):
+        assert torch.equal(positions, at)
+        expected = captured[layer][0][0][:, at - 90].float()  # [H, n, D]
+        torch.testing.assert_close(q, expected, atol=1e-5, rtol=1e-5)
+    assert cache.lengths == [40] and cache.logical == [100]
 
 
 @pytest.mark.parametrize("max_queries", [2048, 24])
