@@ -155,7 +155,7 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         run = feed(model, tok, ids, args, method)
         got = measure(model, run["cache"], probe, em=False)
         rows.append(_row(method, run, got, none, base) | {"context": c})
-        print(_line(rows[-1]), flush=True)
+        print(_line(method, rows[-1:]), flush=True)
     return rows
 
 
@@ -176,14 +176,6 @@ def _row(name: str, run: dict, got: dict, none: dict, full: dict) -> dict:
     }
 
 
-def _line(r: dict) -> str:
-    return (
-        f"{r['run']:<22}{r['logical']:>8}{r['physical']:>9}{r['largest']:>9}"
-        f"{r['bytes'] / 1e6:>9.1f}{r['compactions']:>6}{r['compaction_s']:>8.1f}"
-        f"{r['facts_kept']:>8.2f}{r['para_kept']:>8.2f}{r['cont_kept']:>8.2f}"
-    )
-
-
 def _print(rows: list[dict], args) -> None:
     print(
         f"\nonline compaction: chunks of {args.chunk}, past {args.max_tokens} physical slots "
@@ -195,18 +187,20 @@ def _print(rows: list[dict], args) -> None:
         f"{'comp. s':>8}{'facts':>18}{'para':>18}{'cont':>18}"
     )
     for name in dict.fromkeys(r["run"] for r in rows):
-        print(_median_line(name, [r for r in rows if r["run"] == name]))
+        print(_line(name, [r for r in rows if r["run"] == name]))
 
 
-def _median_line(name: str, runs: list[dict]) -> str:
-    """A run's medians over contexts (with the spread of what it kept)."""
+def _line(name: str, runs: list[dict]) -> str:
+    """A run's medians over its contexts' rows (one row: that row), with the [min, max] of
+    what it kept where there are several."""
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
     def spread(key: str) -> str:
         values = [r[key] for r in runs]
-        return f"{median(key):6.2f} [{min(values):5.2f},{max(values):5.2f}]"
+        tail = f" [{min(values):5.2f},{max(values):5.2f}]" if len(runs) > 1 else ""
+        return f"{median(key):6.2f}{tail}"
 
     return (
         f"{name:<22}{median('logical'):>8.0f}{median('physical'):>9.0f}"
