@@ -8,9 +8,10 @@
      original (`models.attention.Band`: at least REPEAT_WINDOW slots either side, the first
      slots, the instruction, at least its last REPEAT_WINDOW repeated tokens): a repeat mostly
      reads the token it copies, and the fits still score every key exactly for these queries.
-     O(T x window) attention instead of O(T^2). The -fast variants' default on a CPU. A row
-     compacted before no longer lines up with the repeat (its first slots stand for more
-     tokens than they are): it takes the full pass;
+     O(T x window) attention instead of O(T^2). The -fast variants' default on a CPU. On a
+     row compacted before (its first slots stand for more tokens than they are) the repeated
+     tokens after its segment line up with their slots, and every one sees the segment
+     whole (`repeat_band`; where the segment is not known, the full pass);
    - self-study: the model writes a short question-and-answer about the context on a copy of
      the row; the queries of what it wrote are captured.
    - on-policy: the repeat queries again, but layer l's are taken with layers < l already
@@ -46,7 +47,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -82,6 +83,8 @@ REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same 
 BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.
 CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
+# ... and those that score none (their queries only measure the output error).
+UNSCORED = ("streaming", "random")
 # Each method's reference queries when a request names none: what its paper uses (Attention
 # Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
 # context's own; streaming and random score nothing, the context's queries measure them).
@@ -274,13 +277,22 @@ def _stages(
     )
 
 
-def repeat_band(cache: KVCache, row: int, lead: int) -> Band | None:
-    """The band of a repeat pass over `row` after a `lead`-token instruction (repeated token
-    r is the one cached at slot r), or None where the row's slots no longer line up with its
-    tokens (compacted before)."""
-    if cache.logical[row] != cache.lengths[row]:
+def repeat_band(cache: KVCache, row: int, lead: int, segment: int | None = None) -> Band | None:
+    """The band of a repeat pass over `row` after a `lead`-token instruction: repeated token
+    r is the one cached at slot r on a row never compacted. On a row compacted before, whose
+    first `segment` slots (its last compaction's segment_slots) stand for the oldest tokens
+    and whose later slots are its last tokens, a repeated token of those is lined up with its
+    slot (r - logical + physical) and every repeated token sees the whole segment (as sinks);
+    those the segment stands for see it, the instruction and the repeated tokens before them.
+    None where the segment is not known (the full pass)."""
+    length, logical = cache.lengths[row], cache.logical[row]
+    band = Band(window=REPEAT_WINDOW, offset=-lead, lead=lead, rows=REPEAT_ROWS)
+    if logical == length:
+        return band
+    if segment is None or not 0 < segment < length:
         return None
-    return Band(window=REPEAT_WINDOW, offset=-lead, lead=lead, rows=REPEAT_ROWS)
+    shift = logical - length  # how many more tokens than slots the segment stands for
+    return replace(band, offset=-lead - shift, sinks=max(band.sinks, segment))
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -321,10 +333,12 @@ def reference_queries(
     context_ids: list[int],
     source: str,
     on_engine: OnEngine = inline,
+    segment: int | None = None,
 ) -> Iterator[Tensor]:
     """Per layer, in layer order, [H, n, D] fp32: the queries of `source`, one of
     QUERY_SOURCES bar "on-policy" (which only exists during a compaction). The long forwards
-    advance in step, one layer each, so one layer's queries are held at a time."""
+    advance in step, one layer each, so one layer's queries are held at a time. `segment`:
+    on a row compacted before, its last compaction's segment_slots (`repeat_band`)."""
     engine = _as_engine(on_engine)
     streams: list[Iterator[Tensor]] = []
     layers = model.config.num_layers
@@ -334,7 +348,9 @@ def reference_queries(
     if "repeat" in names or "repeat-banded" in names:
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
         ids = instruction + context_ids
-        band = repeat_band(cache, row, len(instruction)) if "repeat-banded" in names else None
+        band = None
+        if "repeat-banded" in names:
+            band = repeat_band(cache, row, len(instruction), segment)
         stages = _stages(model, ids, engine.pace, cache, row, band)
         streams.append(engine.layers(stages, layers))
     if "self-study" in names:
@@ -483,9 +499,9 @@ def compact_row(
     # Per layer, the context queries and their positions that rank the keys, where any do.
     ranking: Iterator[tuple[Tensor, Tensor] | None] = itertools.repeat(None)
     own = key_queries == "context" and query_source == "context"  # by the fitted queries
+    # A sample of the context's tokens: each KV head pools its group's queries at them.
+    count = max(1, max_queries // (model.config.num_heads // model.config.num_kv_heads))
     if key_queries == "context" and not own:
-        group = model.config.num_heads // model.config.num_kv_heads
-        count = max(1, max_queries // group)
         ranking = context_key_queries(
             model, cache, row, context_ids, count, seed + 1, engine, segment_slots
         )
@@ -494,9 +510,16 @@ def compact_row(
     else:
         n_queries = 0
         queries = reference
+        if queries is None and method in UNSCORED and query_source == "context":
+            # Nothing scores these keys: the queries only measure the output error, which a
+            # re-read sample measures as well as a pass over the whole (logical) context.
+            sample = context_key_queries(
+                model, cache, row, context_ids, count, seed, engine, segment_slots
+            )
+            queries = (q for q, _ in sample)
         if queries is None:
             queries = reference_queries(
-                model, tokenizer, cache, row, context_ids, query_source, engine
+                model, tokenizer, cache, row, context_ids, query_source, engine, segment_slots
             )
         if budgets == "attention":
             queries = list(queries)  # every layer's, before any fit

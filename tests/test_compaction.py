@@ -290,8 +290,10 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
 ):
     """repeat-banded: the repeat pass under `Band` (every repeated token after the
     instruction lined up with its own cached slot). A window wider than the context gives the
-    repeat queries exactly; a narrow one changes them; a row compacted before takes the full
-    pass; the -fast variants default to it on a CPU."""
+    repeat queries exactly; a narrow one changes them. On a row compacted before, the repeated
+    tokens after its segment line up with their slots and all see the segment: again exact
+    with a wide window, changed by a narrow one; where the segment is not known, the full
+    pass. The -fast variants default to it on a CPU."""
     from engine import kv_compaction
     from engine.kv_compaction import compact_row, default_query_source, reference_queries
 
@@ -299,9 +301,9 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = _prefilled(model, ids)
 
-    def queries(source: str) -> list[torch.Tensor]:
+    def queries(source: str, segment: int | None = None) -> list[torch.Tensor]:
         with torch.no_grad():
-            return list(reference_queries(model, tok, cache, 0, ids, source))
+            return list(reference_queries(model, tok, cache, 0, ids, source, segment=segment))
 
     exact = queries("repeat")
     instruction = len(tok.encode(kv_compaction.REPEAT_INSTRUCTION, add_special_tokens=False))
@@ -315,10 +317,20 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     narrow = queries("repeat-banded")
     torch.testing.assert_close(narrow[0], exact[0])  # layer 0's queries come before attention
     assert (narrow[1] - exact[1]).abs().max() > 1e-3
-    compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
-    assert kv_compaction.repeat_band(cache, 0, instruction) is None
-    for a, b in zip(queries("repeat"), queries("repeat-banded"), strict=True):
+    report = compact_row(model, tok, cache, 0, ids, 20, query_source="repeat", keep_recent=8)
+    assert (cache.lengths, cache.logical, report.segment_slots) == ([28], [90], 20)
+    assert kv_compaction.repeat_band(cache, 0, instruction) is None  # segment not known
+    exact = queries("repeat")
+    for a, b in zip(exact, queries("repeat-banded"), strict=True):
         torch.testing.assert_close(a, b)
+    band = kv_compaction.repeat_band(cache, 0, instruction, segment=20)
+    assert band is not None and (band.offset, band.sinks) == (-instruction - 62, 20)
+    narrow = queries("repeat-banded", segment=20)
+    assert (narrow[1] - exact[1]).abs().max() > 1e-3
+    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 200)
+    monkeypatch.setattr(kv_compaction, "REPEAT_ROWS", 256)
+    for a, b in zip(exact, queries("repeat-banded", segment=20), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for method in ("am-highest-fast", "am-omp-fast"):
         assert default_query_source(method, cpu) == "repeat-banded"
@@ -427,6 +439,36 @@ def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
     if method != "streaming":
         with pytest.raises(ValueError, match="query_source must be 'context'"):
             compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)
+
+
+@pytest.mark.parametrize("method", ["streaming", "random"])
+def test_unscored_baselines_measure_their_error_on_a_reread_sample(tiny, method):
+    """streaming and random score no keys: their context queries only measure the output
+    error, so they re-read max_queries / group of the context's tokens
+    (`context_key_queries`), after the segment on a row compacted before, instead of a pass
+    over the whole history; the error is the one those very queries measure."""
+    from engine.kv_compaction import compact_row, context_key_queries
+
+    model, tok = tiny
+    cfg = model.config
+    count = 24 // (cfg.num_heads // cfg.num_kv_heads)
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+    cache = _prefilled(model, ids)
+    with torch.no_grad():
+        sample = [q for q, _ in context_key_queries(model, cache, 0, ids, count, seed=0)]
+    twin = cache.extract_row(0)
+    report = compact_row(model, tok, cache, 0, ids, 20, method, keep_recent=8, max_queries=24)
+    assert report.query_source == "context" and report.reference_queries == count < 100
+    given = compact_row(
+        model, tok, twin, 0, ids, 20, method, keep_recent=8, max_queries=24, reference=sample
+    )
+    assert report.output_error == given.output_error
+    again = compact_row(
+        model, tok, cache, 0, ids, 10, method, keep_recent=4, max_queries=24, segment_slots=20
+    )
+    assert again.reference_queries == min(count, 8)  # the 8 tokens after the segment
+    unknown = compact_row(model, tok, twin, 0, ids, 10, method, keep_recent=4, max_queries=24)
+    assert unknown.reference_queries == 100  # segment not known: the whole pass
 
 
 def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(tiny):
