@@ -62,9 +62,12 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
     """Attention of the context's own queries (h.head_queries [G, n, D], rows `rows` of them)
     as it was at prefill: each query's softmax over the row's keys at or before its position
     (the region's, then the exact tail's). Yields, per chunk of queries, their probabilities
-    on the region's first k keys [G, chunk, k] (no query of the chunk sees past those). The
-    queries go in position order, QUERY_CHUNK at a time, each chunk over the keys up to its
-    last one's position only: a causal pass reads about half the keys, like its prefill."""
+    on the region's first k keys [G, chunk, k] (no query of the chunk sees past those), each
+    valid until the next is asked for: the chunks' scores and probabilities reuse two
+    buffers (fresh [G, chunk, k] temporaries per chunk cost more than the softmax), and only
+    the keys past the chunk's first query can be masked. The queries go in position order,
+    QUERY_CHUNK at a time, each chunk over the keys up to its last one's position only: a
+    causal pass reads about half the keys, like its prefill."""
     q_all, q_pos = h.head_queries, h.query_positions
     if rows is not None:
         q_all, q_pos = q_all[:, rows], q_pos[rows]
@@ -78,13 +81,25 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
         keys = torch.cat([keys, h.tail_keys.float()])
         pos = torch.cat([pos, h.tail_positions])
         bias = torch.cat([bias.float(), h.tail_bias.float()])
+    bias, keys_t = bias.float(), keys.T  # [K], [D, K]
+    heads = q_all.shape[0]
+    size = heads * min(QUERY_CHUNK, q_all.shape[1]) * keys.shape[0]
+    scores, probabilities = torch.empty(size), torch.empty(size)
     for start in range(0, q_all.shape[1], QUERY_CHUNK):
         q = q_all[:, start : start + QUERY_CHUNK].float()  # [G, c, D]
         at = q_pos[start : start + QUERY_CHUNK]  # [c], ascending
         seen = max(1, int((pos <= at[-1]).sum()))  # the keys' positions ascend: a prefix
-        s = q @ keys[:seen].T * h.scale + bias[:seen].float()  # [G, c, seen]
-        s = s.masked_fill(pos[None, :seen] > at[:, None], float("-inf"))
-        yield torch.softmax(s, dim=-1)[..., :region]
+        early = int((pos <= at[0]).sum())  # keys every query of the chunk sees
+        shape = (heads, q.shape[1], seen)
+        s = scores[: q.shape[1] * heads * seen].view(shape)
+        torch.matmul(q, keys_t[:, :seen], out=s)
+        s.mul_(h.scale).add_(bias[:seen])  # [G, c, seen]
+        if early < seen:
+            later = pos[None, early:seen] > at[:, None]  # [c, seen - early]
+            s[..., early:].masked_fill_(later, float("-inf"))
+        p = probabilities[: s.numel()].view(shape)
+        torch.ops.aten._softmax.out(s, -1, False, out=p)
+        yield p[..., :region]
 
 
 def accumulated_attention(h) -> Tensor:

@@ -18,6 +18,8 @@ from engine.attention_matching import (
     mass_error,
     relative_output_error,
     select_keys,
+    summary,
+    targets,
 )
 from engine.nnls import gram_nnls
 
@@ -84,6 +86,26 @@ def test_am_highest_ranks_by_the_context_queries_causal_attention_when_told():
     bare.head_queries, bare.context_keys = None, True
     with pytest.raises(ValueError, match="context's own queries"):
         select_keys(bare, 20, "am-highest")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_summary_is_the_targets_without_their_exp_score_matrix(bias):
+    """`summary` (row maxima, mass, outputs) over queries in chunks, across several chunks
+    and a short last one, equals the definitions and what `targets` gives with E; a head
+    summarized alone never makes E (which only the key selections that read it need)."""
+    h = _head(total=300, n=2 * 256 + 37, bias=bias)
+    rowmax, m, y = summary(h)
+    assert h._targets is None
+    s = h.queries @ h.keys.T * h.scale + (h.bias if bias else 0)  # [n, T]
+    torch.testing.assert_close(rowmax, s.max(dim=1, keepdim=True).values)
+    torch.testing.assert_close(m, torch.exp(s - rowmax).sum(dim=1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(y, torch.softmax(s, dim=1) @ h.values, rtol=1e-5, atol=1e-6)
+    other = _head(total=300, n=2 * 256 + 37, bias=bias)
+    e, m_full, y_full = targets(other)
+    assert summary(other)[1] is m_full  # made with E: taken from there
+    torch.testing.assert_close(m_full, m, rtol=1e-6, atol=0)
+    torch.testing.assert_close(y_full, y, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(e.sum(dim=1), m, rtol=1e-6, atol=0)
 
 
 def test_keeping_every_key_reproduces_output_and_mass():
