@@ -58,6 +58,7 @@ import torch
 from engine.compaction_budgets import load_schedule
 from engine.kv_compaction import compact_row, default_key_queries, reference_queries
 from engine.packed_cache import PackedCache
+from models import kernels
 from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
@@ -530,6 +531,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
+    if args.dtype == "bfloat16":  # the fused CPU kernels, as the server runs bf16
+        kernels.enable_cpu_kernels()
     if args.timing:
         return run_timing(model, tok, args)
     text = _text(args.text)

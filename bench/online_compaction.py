@@ -38,6 +38,7 @@ from bench.compaction import (
 )
 from engine.auto_compaction import AutoCompact
 from engine.kv_compaction import compact_row
+from models import kernels
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
 
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
+    if args.dtype == "bfloat16":  # the fused CPU kernels, as the server runs bf16
+        kernels.enable_cpu_kernels()
     text = _text(args.text)
     rows: list[dict] = []
     for c in range(args.contexts):

@@ -15,6 +15,13 @@ continuations of long caches. With a `Band` (a compaction's banded repeat pass),
 blocks of new tokens attends to the few key ranges the band lets it see: O(Q x window) work.
 Cached tokens read again (`models.attention.reread_mask`: a compaction's sample of the
 context's own queries) each read their own prefix of the cache (`reread_rows`).
+
+Where the fused CPU kernels are on (bf16, AVX512-BF16), each of these runs as one kernel call
+per query chunk instead (`packed_rows`, `packed_reread`): the layer's keys and values packed
+once (`models.kernels.pack_attention`), every row over its key ranges with an online softmax,
+no parts to merge. Measured (9 query heads over 3 KV heads, 256 rows over 1,900 keys, bf16, 2
+cores): 5.5-7 ms against 8-14 ms for the flash kernel on the same keys repeated per head, with
+the same error against an fp32 softmax (2.3e-3).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.attention import AttentionMask, Band
+from models import kernels
+from models.attention import AttentionMask, Band, disjoint
 
 # The CPU flash kernel, which also returns each row's log-sum-exp (a private ATen op: where a
 # torch build lacks it, attention takes the masked path).
@@ -176,3 +184,45 @@ def _part(
 ) -> tuple[Tensor, Tensor]:
     out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
     return out, lse
+
+
+def packed_rows(
+    q: Tensor,
+    packed: kernels.PackedKV,
+    scale: float,
+    start: int,
+    stop: int,
+    band: Band | None = None,
+) -> Tensor:
+    """`attend_rows` on the packed keys and values (q [1, H, Q, D], the last Q keys are the
+    new tokens): each row sees the cached slots and the new tokens up to its own (with a
+    `band`, per band block, the ranges it sees and its block up to its own) -> [1, H, stop -
+    start, D]."""
+    cached = packed.length - q.shape[2]
+    if band is None:
+        return _packed(q, packed, scale, start, stop, [(0, cached + stop)], cached)
+    blocks = []
+    for block in range(start // band.rows, (stop - 1) // band.rows + 1):
+        lo, hi = max(start, block * band.rows), min(stop, (block + 1) * band.rows)
+        ranges = band.cached_ranges(block, cached)
+        ranges += [(cached + a, cached + b) for a, b in band.new_ranges(block, lo)]
+        ranges = disjoint([*ranges, (cached + lo, cached + hi)], 0, packed.length)
+        blocks.append(_packed(q, packed, scale, lo, hi, ranges, cached))
+    return torch.cat(blocks, dim=2)
+
+
+def _packed(q, packed, scale, lo: int, hi: int, ranges, cached: int) -> Tensor:
+    """Rows [lo, hi) over `ranges`, each new token causally: row i below key cached + i + 1."""
+    limits = torch.arange(cached + lo + 1, cached + hi + 1)
+    return kernels.attend_packed(q[0, :, lo:hi], packed, ranges, scale, limits)[None]
+
+
+def packed_reread(
+    q: Tensor, packed: kernels.PackedKV, scale: float, start: int, stop: int, slots: Tensor
+) -> Tensor:
+    """`reread_rows` on the packed keys and values: row i sees the cached slots up to
+    slots[i], its own -> [1, H, stop - start, D]."""
+    own = slots[start:stop].cpu()
+    limits = own + 1
+    ranges = [(0, int(limits[-1]))]
+    return kernels.attend_packed(q[0, :, start:stop], packed, ranges, scale, limits)[None]

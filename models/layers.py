@@ -162,11 +162,20 @@ class Attention(nn.Module):
             max_rows = REREAD_ROWS
         outs = []
         if flash_rows is not None:
-            kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
+            if kernels.packs_attention(q, k):  # the fused kernel: one call per chunk
+                packed = kernels.pack_attention(k, v, bias)
+                if mask.reread is not None:
+                    rows = partial(flash_continuation.packed_reread, slots=mask.reread)
+                else:
+                    rows = partial(flash_continuation.packed_rows, band=mask.band)
+                flash_rows = partial(rows, q, packed, self.scale)
+            else:
+                kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
+                flash_rows = partial(flash_rows, q, kh, vh, bh, self.scale)
             for start, stop in self._query_chunks(q, k, pace, None, max_rows):
                 if outs:
                     yield None
-                outs.append(flash_rows(q, kh, vh, bh, self.scale, start, stop))
+                outs.append(flash_rows(start, stop))
             return self._output(torch.cat(outs, dim=2))
         for chunk in self._query_chunks(q, k, pace, ATTENTION_CHUNK_ELEMENTS):
             if outs and pace is not None:

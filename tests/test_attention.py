@@ -456,3 +456,131 @@ def test_cached_tokens_read_again_get_the_queries_and_states_they_had_at_prefill
     assert cache.lengths == [40] and cache.logical == [40]
     with pytest.raises(ValueError, match="reread"):
         next(model.forward_stages(ids[:, :2], reread=slots[:2]))
+
+
+def _bf16_kernels() -> bool:
+    from models import kernels
+
+    return kernels.cpu_has_bf16_dot()
+
+
+def _softmax_reference(q, k, v, bias, visible) -> torch.Tensor:
+    """fp32 attention of q [1, H, R, D] over k, v [1, Hkv, K, D] with bias [1, Hkv, K] and
+    visible [R, K] -> [1, H, R, D]."""
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+    s = q.float() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s + bias.repeat_interleave(group, dim=1)[:, :, None, :]
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ vf
+
+
+@pytest.mark.skipif(not _bf16_kernels(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_packed_attention_kernel_equals_the_softmax_over_what_each_row_sees(head_dim):
+    """The fused kernel (`flash_continuation.packed_rows` / `packed_reread`) over a cache
+    continuation, plain, banded (rows inside and across the band's blocks) and re-read, with
+    a biased cache whose padding slots carry -inf: each row the fp32 softmax over exactly the
+    keys it may see, within bf16's rounding, and as close to it as the flash parts are."""
+    from models import flash_continuation as fc
+    from models import kernels
+    from models.attention import Band
+
+    gen = torch.Generator().manual_seed(head_dim)
+    cached, new, heads, kv = 150, 45, 6, 2
+    total = cached + new
+    q = torch.randn(1, heads, new, head_dim, generator=gen).bfloat16()
+    k, v = (torch.randn(1, kv, total, head_dim, generator=gen).bfloat16() for _ in range(2))
+    bias = torch.zeros(1, kv, total)
+    bias[:, :, :cached] = torch.linspace(-2, 1, cached)
+    bias[:, :, 7:11] = float("-inf")  # masked padding slots
+    scale = head_dim**-0.5
+    band = Band(window=20, offset=-4, lead=4, sinks=3, rows=8)
+    slots = torch.tensor([0, 3, 12, 60, 61, 149])
+    with kernels.cpu_kernels(True):
+        assert kernels.packs_attention(q, k)
+        packed = kernels.pack_attention(k, v, bias)
+        plain = torch.cat(
+            [fc.packed_rows(q, packed, scale, 0, 5), fc.packed_rows(q, packed, scale, 5, 45)], 2
+        )
+        banded = torch.cat(
+            [fc.packed_rows(q, packed, scale, a, b, band) for a, b in ((0, 11), (11, 45))], 2
+        )
+        again = fc.packed_reread(q[:, :, :6], packed, scale, 0, 6, slots)
+    rows = torch.arange(new)[:, None]
+    causal = torch.arange(total)[None, :] <= cached + rows  # [new, total]
+    visible = {
+        "plain": causal,
+        "banded": band.visible(0, new, new, total, "cpu")[None, None] & causal,
+        "reread": torch.arange(total)[None, :] <= slots[:, None],  # each its own prefix
+    }
+    kh, vh, bh = fc.per_head(k, v, bias, heads, q.dtype)
+    flash = {
+        "plain": fc.attend_rows(q, kh, vh, bh, scale, 0, new),
+        "banded": fc.attend_rows(q, kh, vh, bh, scale, 0, new, band),
+        "reread": fc.reread_rows(
+            q[:, :, :6],
+            kh[:, :, : cached + 6],
+            vh[:, :, : cached + 6],
+            bh[..., : cached + 6],
+            scale,
+            0,
+            6,
+            slots,
+        ),
+    }
+    for name, got in (("plain", plain), ("banded", banded), ("reread", again)):
+        rows_q = q[:, :, : got.shape[2]]
+        want = _softmax_reference(rows_q, k, v, bias, visible[name])
+        error = float((got.float() - want).norm() / want.norm())
+        theirs = float((flash[name].float() - want).norm() / want.norm())
+        assert error < 6e-3 and error < 2 * theirs + 1e-3, (name, error, theirs)
+    assert (banded.float() - plain.float()).abs().max() > 0.05  # the band hides keys
+
+
+@pytest.mark.skipif(not _bf16_kernels(), reason="no AVX512-BF16 here")
+def test_a_repeat_pass_through_the_packed_kernel_gives_the_flash_parts_queries(
+    tmp_path, monkeypatch
+):
+    """A bf16 model (head_dim 32) continuing its cache, banded and plain, and re-reading
+    cached tokens: every layer's queries and the final states through the fused kernel equal
+    the flash parts' within bf16's rounding."""
+    from models import kernels
+    from models.attention import Band
+
+    tiny_models.hf_tiny("llama", tmp_path, num_attention_heads=2, num_key_value_heads=1)
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    assert model.config.head_dim == 32
+    ids = _ids(90)
+    band = Band(window=12, offset=-3, lead=3, sinks=2, rows=8)
+    calls = []
+    real = kernels.attend_packed
+    spy = lambda *args, **kw: calls.append(1) or real(*args, **kw)  # noqa: E731
+    monkeypatch.setattr(kernels, "attend_packed", spy)
+
+    def run(**how):
+        stages = model.forward_stages(
+            ids[:, 60:] if "reread" not in how else ids[:, 5:25], cache=cache, commit=False, **how
+        )
+        queries = []
+        try:
+            while True:
+                if (q := next(stages)) is not None:
+                    queries.append(q)
+        except StopIteration as done:
+            return queries, done.value
+
+    with torch.no_grad():
+        cache = model.new_cache(1, 160)
+        model(ids[:, :60], cache=cache)
+        hows = [{}, {"band": band}, {"reread": torch.arange(5, 25)}]
+        with kernels.cpu_kernels(True):
+            fused = [run(**how) for how in hows]
+        used = len(calls)
+        with kernels.cpu_kernels(False):
+            parts = [run(**how) for how in hows]
+    assert used >= 3 * len(model.layers) and len(calls) == used  # the kernel, then not
+    for (qs, out), (qs_ref, out_ref) in zip(fused, parts, strict=True):
+        for q, q_ref in zip(qs, qs_ref, strict=True):
+            torch.testing.assert_close(q.float(), q_ref.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(out.float(), out_ref.float(), atol=1e-1, rtol=5e-2)
+    assert cache.lengths == [60]

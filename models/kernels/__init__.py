@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,52 @@ def rotate_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int
     rot = n_heads * head_dim
     rotated = apply_rotary(qkv[..., :rot].view(batch, q_len, n_heads, head_dim), cos, sin)
     return torch.cat([rotated.reshape(batch, q_len, rot), qkv[..., rot:]], dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedKV:
+    """One layer's keys and values [Hkv, K, D] packed for `attend_packed` (and their bias
+    [Hkv, K] fp32 or None): packed once, read by every query chunk of a long forward."""
+
+    keys: Tensor
+    values: Tensor
+    length: int
+    bias: Tensor | None
+
+
+def packs_attention(q: Tensor, k: Tensor) -> bool:
+    """Whether `pack_attention` / `attend_packed` apply to q [B, H, Q, D] over k [B, Hkv, K,
+    D]: the fused kernels on (bf16 on an AVX512-BF16 CPU), one row, head_dim 32, 64 or 128."""
+    return (
+        _fast(q, None, k)
+        and k.dtype == torch.bfloat16
+        and q.shape[0] == k.shape[0] == 1
+        and q.shape[-1] in (32, 64, 128)
+    )
+
+
+def pack_attention(k: Tensor, v: Tensor, bias: Tensor | None) -> PackedKV:
+    """k, v [1, Hkv, K, D] bf16 (rows contiguous) and bias [1, Hkv, K] or None, packed."""
+    keys, values = _kernel.pack_attention_kv(k[0], v[0])
+    flat = None if bias is None else bias[0].float().contiguous()
+    return PackedKV(keys, values, k.shape[2], flat)
+
+
+def attend_packed(
+    q: Tensor,
+    packed: PackedKV,
+    ranges: list[tuple[int, int]],
+    scale: float,
+    limits: Tensor | None = None,
+) -> Tensor:
+    """Query rows q [H, R, D] bf16 over `packed`'s keys in `ranges` ([a, b), disjoint, in
+    order), row i also only below limits[i] (int64 [R]) where given -> [H, R, D] bf16. The
+    AVX512-BF16 kernel: scores, an online softmax in fp32 and the weighted values in one pass
+    over the keys, no [R, K] scores in memory (`cpu_decode.cpp` attend_packed_bf16)."""
+    flat = [x for pair in ranges for x in pair]
+    return _kernel.attend_packed_bf16(
+        q, packed.keys, packed.values, packed.length, flat, limits, scale, packed.bias
+    )
 
 
 def decode_attention(

@@ -869,6 +869,225 @@ class DecodeStack {
 };
 
 
+// ---- prefill attention: many queries over key ranges of one layer's keys -------------------
+// Keys and values packed once per layer for the bf16 dot-product instruction
+// (`pack_attention_kv`): K as [Hkv, K/16, D/2, 16] pairs of dims (lane i: key 16b + i), so a
+// query's dim pair broadcast against one vector scores 16 keys; V as [Hkv, K/2, D/16, 16]
+// pairs of keys (lane i: dim 16c + i of keys 2p and 2p + 1), so a pair of probabilities
+// broadcast against one vector adds two keys' values to 16 output dims.
+std::vector<torch::Tensor> pack_attention_kv(const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k, v [Hkv, K, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2), "rows of k and v contiguous");
+  const int64_t Hkv = k.size(0), K = k.size(1), D = k.size(2);
+  TORCH_CHECK(D % 32 == 0 && D <= 256, "head_dim a multiple of 32, at most 256");
+  // V padded to whole blocks of 16 keys: a chunk reads its last block's pairs whole.
+  const int64_t NB = (K + 15) / 16, NP = NB * 8, D2 = D / 2, C = D / 16;
+  auto opts = torch::TensorOptions().dtype(torch::kInt32);
+  auto kp = torch::zeros({Hkv, NB, D2, 16}, opts), vp = torch::zeros({Hkv, NP, C, 16}, opts);
+  auto kptr = kp.data_ptr<int32_t>();
+  auto vptr = vp.data_ptr<int32_t>();
+  auto ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  auto vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const int64_t khs = k.stride(0), vhs = v.stride(0);
+  at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      const uint16_t* kh = ks + h * khs;
+      int32_t* kd = kptr + h * NB * D2 * 16;
+      for (int64_t j = 0; j < K; ++j) {  // key j: lane j % 16 of block j / 16
+        const uint16_t* row = kh + j * D;
+        int32_t* dst = kd + (j / 16) * D2 * 16 + (j % 16);
+        for (int64_t d2 = 0; d2 < D2; ++d2) {
+          int32_t pair;
+          std::memcpy(&pair, row + 2 * d2, 4);
+          dst[d2 * 16] = pair;
+        }
+      }
+      const uint16_t* vh = vs + h * vhs;
+      uint16_t* vd = reinterpret_cast<uint16_t*>(vptr + h * NP * C * 16);
+      for (int64_t j = 0; j < K; ++j) {  // key j: the (j % 2)-th half of pair j / 2's lanes
+        const uint16_t* row = vh + j * D;
+        uint16_t* dst = vd + (j / 2) * C * 32 + (j % 2);
+        for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
+      }
+    }
+  });
+  return {kp, vp};
+}
+
+namespace {
+
+constexpr int kChunk = 64;  // keys per online-softmax step (4 vectors)
+
+// RT query rows of one head over the visible keys: the union of [a, b) ranges, each row
+// also below its own limit (causal rows, re-read tokens). Online softmax in fp32.
+template <int RT, int C>
+void attend_tile(const uint16_t* const q[RT], const int32_t* kp, const int32_t* vp, int64_t D2,
+                 const float* bias, const std::vector<int64_t>& ranges, const int64_t limit[RT],
+                 float scale, uint16_t* const out[RT]) {
+  __m512 o[RT][C], lsum[RT];
+  float m[RT];
+  int32_t qpair[RT][128];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+    lsum[r] = _mm512_setzero_ps();
+    m[r] = -INFINITY;
+    std::memcpy(qpair[r], q[r], D2 * 4);
+  }
+  alignas(64) uint16_t pb[RT][kChunk];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (size_t x = 0; x + 1 < ranges.size(); x += 2) {
+    const int64_t a = ranges[x], b = ranges[x + 1];
+    for (int64_t j0 = a & ~int64_t(15); j0 < b; j0 += kChunk) {
+      const int nv = int(std::min<int64_t>(kChunk, ((b - j0 + 15) / 16) * 16) / 16);
+      __m512 s[RT][4];
+      for (int r = 0; r < RT; ++r)
+        for (int u = 0; u < 4; ++u) s[r][u] = _mm512_setzero_ps();
+      const int32_t* kb = kp + (j0 / 16) * D2 * 16;
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        __m512bh kv[4];
+        for (int u = 0; u < nv; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(kb + (u * D2 + d2) * 16);
+        for (int r = 0; r < RT; ++r) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(qpair[r][d2]);
+          for (int u = 0; u < nv; ++u) s[r][u] = _mm512_dpbf16_ps(s[r][u], qb, kv[u]);
+        }
+      }
+      __mmask16 valid[RT][4];
+      for (int r = 0; r < RT; ++r) {
+        const int64_t hi = std::min(b, limit[r]);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int u = 0; u < 4; ++u) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(j0 + 16 * u)));
+          valid[r][u] = u < nv ? _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(int32_t(a))) &
+                                     _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(int32_t(hi)))
+                               : __mmask16(0);
+          __m512 sc = _mm512_mul_ps(s[r][u], _mm512_set1_ps(scale));
+          if (bias) sc = _mm512_add_ps(sc, _mm512_maskz_loadu_ps(valid[r][u], bias + j0 + 16 * u));
+          // A -inf bias (a padding slot) hides its key exactly, as in the softmax.
+          valid[r][u] &= _mm512_cmp_ps_mask(sc, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          s[r][u] = sc;
+          top = _mm512_mask_max_ps(top, valid[r][u], top, sc);
+        }
+        const float cm = _mm512_reduce_max_ps(top);
+        if (cm > m[r]) {  // a new maximum: rescale what is summed so far
+          const float c = m[r] == -INFINITY ? 0.f : std::exp(m[r] - cm);
+          const __m512 cv = _mm512_set1_ps(c);
+          for (int cc = 0; cc < C; ++cc) o[r][cc] = _mm512_mul_ps(o[r][cc], cv);
+          lsum[r] = _mm512_mul_ps(lsum[r], cv);
+          m[r] = cm;
+        }
+        const __m512 mv = _mm512_set1_ps(m[r]);
+        __m512 p[4];
+        for (int u = 0; u < 4; ++u) {
+          p[u] = m[r] == -INFINITY ? _mm512_setzero_ps()
+                                   : _mm512_maskz_mov_ps(valid[r][u], exp_ps(_mm512_sub_ps(s[r][u], mv)));
+          lsum[r] = _mm512_add_ps(lsum[r], p[u]);
+        }
+        _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        _mm512_store_si512(pb[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+      }
+      const int npairs = nv * 8;
+      const int32_t* vb = vp + (j0 / 2) * C * 16;
+      for (int pp = 0; pp < npairs; ++pp) {
+        __m512bh pr[RT];
+        for (int r = 0; r < RT; ++r) {
+          int32_t two;
+          std::memcpy(&two, pb[r] + 2 * pp, 4);
+          pr[r] = (__m512bh)_mm512_set1_epi32(two);
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb + (pp * C + c) * 16);
+          for (int r = 0; r < RT; ++r) o[r][c] = _mm512_dpbf16_ps(o[r][c], pr[r], vv);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    const float total = _mm512_reduce_add_ps(lsum[r]);
+    const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.0f / total : 0.f);
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256((__m256i*)(out[r] + 16 * c), to_bf16(_mm512_mul_ps(o[r][c], inv)));
+  }
+}
+
+template <int C>
+void attend_packed(const uint16_t* qp, int64_t qhs, int64_t qrs, const int32_t* kp,
+                   const int32_t* vp, int64_t NB, int64_t NP, const float* bias, int64_t K,
+                   const std::vector<int64_t>& ranges, const int64_t* limits, float scale,
+                   uint16_t* op, int64_t H, int64_t Hkv, int64_t R) {
+  constexpr int RT = C <= 4 ? 4 : 2;  // rows per tile: each key vector loaded serves RT rows
+  const int64_t D = C * 16, D2 = D / 2, group = H / Hkv, tiles = (R + RT - 1) / RT;
+  at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ht = begin; ht < end; ++ht) {
+      const int64_t h = ht / tiles, r0 = (ht % tiles) * RT, g = h / group;
+      const int32_t* kh = kp + g * NB * D2 * 16;
+      const int32_t* vh = vp + g * NP * C * 16;
+      const float* bh = bias ? bias + g * K : nullptr;
+      const uint16_t* q[RT];
+      uint16_t* out[RT];
+      int64_t limit[RT];
+      alignas(64) uint16_t spare[256];  // the output of a tile's missing last row
+      for (int r = 0; r < RT; ++r) {
+        const int64_t row = std::min(r0 + r, R - 1);
+        q[r] = qp + h * qhs + row * qrs;
+        out[r] = r0 + r < R ? op + (h * R + row) * D : spare;
+        limit[r] = limits ? limits[row] : K;
+      }
+      attend_tile<RT, C>(q, kh, vh, D2, bh, ranges, limit, scale, out);
+    }
+  });
+}
+
+}  // namespace
+
+// Attention of query rows q [H, R, D] bf16 (any head and row stride, dims contiguous) over
+// the packed keys and values of one layer (`pack_attention_kv`, K keys): row i sees the keys
+// in the [a, b) ranges (flat, disjoint, in order), below limits[i] where given (int64 [R]);
+// bias [Hkv, K] fp32 added to the scores where given. GQA: head h reads KV head h / (H / Hkv).
+// Returns [H, R, D] bf16: softmax in fp32, online over chunks of 64 keys, the probabilities
+// rounded to bf16 for the weighted values as the flash kernels do.
+torch::Tensor attend_packed_bf16(const torch::Tensor& q, const torch::Tensor& kp,
+                                 const torch::Tensor& vp, int64_t K, std::vector<int64_t> ranges,
+                                 const c10::optional<torch::Tensor>& limits, double scale,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16, "q [H, R, D] bf16");
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), Hkv = kp.size(0);
+  TORCH_CHECK(kp.dim() == 4 && kp.size(2) == D / 2 && kp.size(1) == (K + 15) / 16, "packed keys");
+  TORCH_CHECK(vp.dim() == 4 && vp.size(0) == Hkv && vp.size(1) == kp.size(1) * 8 && vp.size(2) == D / 16,
+              "packed values");
+  TORCH_CHECK(H % Hkv == 0 && ranges.size() % 2 == 0, "H % Hkv == 0, ranges in pairs");
+  for (size_t x = 0; x < ranges.size(); x += 2)
+    TORCH_CHECK(0 <= ranges[x] && ranges[x] <= ranges[x + 1] && ranges[x + 1] <= K &&
+                    (x == 0 || ranges[x - 1] <= ranges[x]), "ranges within [0, K), disjoint, in order");
+  const int64_t* lp = nullptr;
+  if (limits.has_value() && limits->defined()) {
+    TORCH_CHECK(limits->scalar_type() == at::kLong && limits->is_contiguous() && limits->numel() == R,
+                "limits int64 [R]");
+    lp = limits->data_ptr<int64_t>();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == Hkv &&
+                    bias->size(1) == K, "bias [Hkv, K] fp32");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({H, R, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int32_t* kptr = kp.data_ptr<int32_t>();
+  const int32_t* vptr = vp.data_ptr<int32_t>();
+  const int64_t NB = kp.size(1), NP = vp.size(1);
+  const float s = float(scale);
+  switch (D / 16) {
+    case 2: attend_packed<2>(qp, q.stride(0), q.stride(1), kptr, vptr, NB, NP, bp, K, ranges, lp, s, op, H, Hkv, R); break;
+    case 4: attend_packed<4>(qp, q.stride(0), q.stride(1), kptr, vptr, NB, NP, bp, K, ranges, lp, s, op, H, Hkv, R); break;
+    case 8: attend_packed<8>(qp, q.stride(0), q.stride(1), kptr, vptr, NB, NP, bp, K, ranges, lp, s, op, H, Hkv, R); break;
+    default: TORCH_CHECK(false, "head_dim 32, 64 or 128");
+  }
+  return out;
+}
+
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python objects: let other Python threads (the HTTP event loop) run
   // while a decode step computes.
@@ -884,6 +1103,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache", nogil);
   m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 where possible");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
+  m.def("pack_attention_kv", &pack_attention_kv, "pack a layer's K, V for attend_packed_bf16", nogil);
+  m.def("attend_packed_bf16", &attend_packed_bf16, "query rows over key ranges of packed K, V", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           int64_t, int64_t, int64_t, double, double, bool, torch::Tensor>())
