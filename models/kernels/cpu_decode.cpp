@@ -936,8 +936,10 @@ void attend_tile(const uint16_t* const q[RT], const int32_t* kp, const int32_t* 
   }
   alignas(64) uint16_t pb[RT][kChunk];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t seen = 0;  // the tile's rows see no key past this one
+  for (int r = 0; r < RT; ++r) seen = std::max(seen, limit[r]);
   for (size_t x = 0; x + 1 < ranges.size(); x += 2) {
-    const int64_t a = ranges[x], b = ranges[x + 1];
+    const int64_t a = ranges[x], b = std::min(ranges[x + 1], seen);
     for (int64_t j0 = a & ~int64_t(15); j0 < b; j0 += kChunk) {
       const int nv = int(std::min<int64_t>(kChunk, ((b - j0 + 15) / 16) * 16) / 16);
       __m512 s[RT][4];
