@@ -110,6 +110,13 @@ class Band:
         window = (block * self.rows - self.window, start)
         return disjoint(((0, self.lead), window), 0, start)
 
+    def key_ranges(self, block: int, start: int, cached: int) -> list[tuple[int, int]]:
+        """What all of block `block`'s new tokens from `start` on see, as key indices of a
+        continuation of `cached` slots (the cached ranges, then the new tokens' before
+        `start`), disjoint and in order."""
+        new = [(cached + a, cached + b) for a, b in self.new_ranges(block, start)]
+        return self.cached_ranges(block, cached) + new
+
     def visible(self, start: int, stop: int, q_len: int, key_len: int, device) -> Tensor:
         """bool [stop - start, key_len]: which keys new tokens [start, stop) of Q = q_len see
         (the keys end with the new tokens)."""

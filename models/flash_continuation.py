@@ -160,10 +160,8 @@ def _banded_rows(
     cached = key_len - q_len
     lo, hi = max(start, block * band.rows), min(stop, (block + 1) * band.rows)
     rows = q[:, :, lo:hi]
-    ranges = band.cached_ranges(block, cached)
-    ranges += [(cached + a, cached + b) for a, b in band.new_ranges(block, lo)]
     parts = []
-    for a, b in ranges:
+    for a, b in band.key_ranges(block, lo, cached):
         mask = None if bias is None else bias[..., a:b]
         parts.append(_part(rows, k[:, :, a:b], v[:, :, a:b], scale, False, mask))
     own = slice(cached + lo, cached + hi)
@@ -204,9 +202,8 @@ def packed_rows(
     blocks = []
     for block in range(start // band.rows, (stop - 1) // band.rows + 1):
         lo, hi = max(start, block * band.rows), min(stop, (block + 1) * band.rows)
-        ranges = band.cached_ranges(block, cached)
-        ranges += [(cached + a, cached + b) for a, b in band.new_ranges(block, lo)]
-        ranges = disjoint([*ranges, (cached + lo, cached + hi)], 0, packed.length)
+        own = (cached + lo, cached + hi)
+        ranges = disjoint([*band.key_ranges(block, lo, cached), own], 0, packed.length)
         blocks.append(_packed(q, packed, scale, lo, hi, ranges, cached))
     return torch.cat(blocks, dim=2)
 
