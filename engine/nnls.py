@@ -1,5 +1,6 @@
-"""Nonnegative least squares for Attention Matching's beta: SciPy's NNLS for the final fit,
-and an active-set NNLS on a growing Gram matrix for OMP's many refits."""
+"""Nonnegative least squares for Attention Matching's beta: an active-set NNLS on the Gram
+matrix for the final fit (SciPy's NNLS where it does not converge) and on a growing Gram matrix
+for OMP's many refits."""
 
 from __future__ import annotations
 
@@ -12,27 +13,54 @@ from torch import Tensor
 
 
 def nonnegative_weights(a: Tensor, m: Tensor) -> Tensor:
-    """argmin_{w >= 0} ||a w - m||  (a [n, t], m [n]), in float64 via SciPy's NNLS.
+    """argmin_{w >= 0} ||a w - m||  (a [n, t], m [n]), in float64.
 
-    With n >> t the problem is first reduced to a t x t one with the same minimizer:
-    ||a w - m||^2 = ||R w - R^-T a^T m||^2 + const for R^T R = a^T a, R from the Cholesky
-    factor of the Gram matrix (one [t, n] x [n, t] product and a t x t factorization: 2-3x
-    cheaper than a QR of a at n = 2,048, t = 400), or from a QR where the Gram matrix is too
-    ill-conditioned for Cholesky in float64."""
+    An active-set NNLS on the Gram matrix (`scaled_gram_nnls`). It reaches the optimum that
+    SciPy's NNLS finds on the t x t reduced problem, in a fraction of its time: on 15 heads of
+    an 8K-token compaction (t = 755) the objectives were equal or lower (by at most 1e-15), in
+    35 ms per head after the Gram matrix against SciPy's 100-300 ms. Where it does not converge
+    (its iteration cap, which only cycling on ties could reach), SciPy's NNLS on the reduced
+    problem ||R w - c|| (`_reduced`)."""
     a64, m64 = a.double(), m.double()
-    if a64.shape[0] > 2 * a64.shape[1]:
-        a64, m64 = _reduced(a64, m64)
-    w, _ = nnls(a64.numpy(), m64.numpy(), maxiter=50 * a.shape[1] + 100)
-    return torch.from_numpy(np.asarray(w)).float()
+    gram, rhs = a64.T @ a64, a64.T @ m64  # [t, t], [t]
+    w = scaled_gram_nnls(gram, rhs)
+    if w is None:
+        r, c = _reduced(a64, m64, gram, rhs) if a64.shape[0] > 2 * a64.shape[1] else (a64, m64)
+        w_np, _ = nnls(r.numpy(), c.numpy(), maxiter=50 * a.shape[1] + 100)
+        w = torch.from_numpy(np.asarray(w_np))
+    return w.float()
 
 
-def _reduced(a: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-    """(R [t, t], c [t]) with ||a w - m||^2 = ||R w - c||^2 + const (float64)."""
-    gram = a.T @ a
+def scaled_gram_nnls(gram: Tensor, rhs: Tensor) -> Tensor | None:
+    """argmin_{w >= 0} ||A w - m|| from G = A^T A [t, t] and A^T m [t] (float64), or None where
+    the active set did not reach the optimality conditions.
+
+    The columns are first scaled to unit norm (w = D u, D = diag(G)^-1/2, which keeps w >= 0):
+    a head's exp-score columns span up to 1e13 in squared norm at 8K keys, and unscaled, the
+    ridge and tolerances of `gram_nnls` (relative to the mean diagonal) swamped the small
+    columns: objectives up to 1e-3 worse than SciPy's on 3 of 15 such heads, equal on all 15
+    once scaled. Kim & Park's block principal pivoting (`pivoting_nnls`), started from the
+    unconstrained least squares' positive set, gets there in 10 solves per head at 8K keys
+    (Lawson-Hanson's `gram_nnls` from the same start: 45), 35 vs 92 ms per head."""
+    d = gram.diagonal().clamp_min(1e-300).rsqrt()  # [t]
+    g = gram * d[:, None] * d[None, :]  # [t, t] unit diagonal (zero columns: 0)
+    b = rhs * d
+    start = None
+    chol, info = torch.linalg.cholesky_ex(g)
+    if int(info) == 0:
+        start = torch.cholesky_solve(b[:, None], chol)[:, 0]
+    u, converged = pivoting_nnls(g, b, start)
+    return u * d if converged else None
+
+
+def _reduced(a: Tensor, m: Tensor, gram: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
+    """(R [t, t], c [t]) with ||a w - m||^2 = ||R w - c||^2 + const (float64), for
+    gram = a^T a and rhs = a^T m: R from the Cholesky factor of the Gram matrix (R^T R = a^T a),
+    or from a QR of a where that is too ill-conditioned for Cholesky in float64."""
     chol, info = torch.linalg.cholesky_ex(gram)  # gram = L L^T, R = L^T
     diag = chol.diagonal()
     if int(info) == 0 and float(diag.min()) > 1e-7 * float(diag.max()):
-        c = torch.linalg.solve_triangular(chol, (a.T @ m)[:, None], upper=False)[:, 0]
+        c = torch.linalg.solve_triangular(chol, rhs[:, None], upper=False)[:, 0]
         return chol.T, c
     q, r = torch.linalg.qr(a)
     return r, q.T @ m
@@ -46,9 +74,10 @@ class GrowingNNLS:
     the new keys' rows only, and so does its Cholesky factor (one triangular solve per added
     block). A refit first takes the unconstrained least-squares weights from that factor (two
     triangular solves): where they are all positive they are the NNLS solution too (the
-    constraints are inactive), which for positive exp-score columns and a positive mass is the
-    common case; otherwise, or once the factor has broken down on nearly collinear columns, it
-    is an active-set NNLS on G (`gram_nnls`) started from the previous refit's positive set.
+    constraints are inactive; with t in the hundreds, rare: 2% of the refits of 6 heads at 4K
+    keys); otherwise, or once the factor has broken down on nearly collinear columns, it is an
+    active-set NNLS on G started from the previous refit's answer: block principal pivoting
+    (`pivoting_nnls`), and Lawson-Hanson's (`gram_nnls`) in case that does not converge.
     Measured (one head, T = 4,000 keys, 2,048 queries, t = 400): am-omp-fast 0.70 -> 0.39 s per
     head, am-omp 1.92 -> 1.07 s (OMP's picks can differ where the two fits differ in the last
     digits: the chosen keys' final mass error was equal at the median over 12 random heads)."""
@@ -102,7 +131,44 @@ class GrowingNNLS:
             if bool((w > 0).all()):
                 return w
         start = torch.cat([self.w, torch.zeros(s - len(self.w), dtype=torch.float64)])
+        w, converged = pivoting_nnls(self.gram[:s, :s], self.rhs[:s], start, solved=True)
+        if converged:
+            return w
         return gram_nnls(self.gram[:s, :s], self.rhs[:s], start, solved=True)
+
+
+def pivoting_nnls(
+    gram: Tensor, rhs: Tensor, start: Tensor | None = None, solved: bool = False
+) -> tuple[Tensor, bool]:
+    """(argmin_{w >= 0} ||A w - m||, converged) given G = A^T A [s, s] and A^T m [s] (float64):
+    Kim & Park's block principal pivoting (SIAM J. Sci. Comput. 33(6), 2011). Each step solves
+    the least squares on a passive set, then swaps in one go every index that breaks the
+    optimality conditions (a passive weight < 0, or a zero weight whose gradient says grow);
+    after three steps that do not shrink that set, one index at a time (the largest), which
+    makes it finite. One solve per step, where Lawson-Hanson's single entries and step-backs
+    take several: an OMP refit 3.8 solves and 2.6x less time (4K keys, 87 refits, objectives
+    equal to 1e-15). `start`: its positive entries are the first passive set; `solved`: it is
+    already the least-squares fit there (a previous refit's answer, padded with zeros), so the
+    first solve is skipped. Not converged within the cap: the caller falls back."""
+    s = gram.shape[0]
+    ridge, tol, passive, w = _initial(gram, rhs, start, solved)
+    fewest, chances = s + 1, 3
+    for step in range(5 * s + 10):
+        if step > 0 or not solved:
+            w = _solve_on(gram, rhs, passive, ridge)
+        grad = rhs - gram @ w  # [s] minus the gradient of 1/2 w^T G w - b^T w
+        wrong = (passive & (w < 0)) | (~passive & (grad > tol))
+        count = int(wrong.sum())
+        if count == 0:
+            return w, True
+        if count < fewest:
+            fewest, chances = count, 3
+        elif chances > 0:
+            chances -= 1
+        else:  # the backup rule: only the last wrong index changes sides
+            wrong = torch.zeros_like(wrong).index_fill_(0, wrong.nonzero()[-1], True)
+        passive ^= wrong
+    return w.clamp_min(0.0), False
 
 
 def gram_nnls(
@@ -115,12 +181,7 @@ def gram_nnls(
     `solved`: `start` is already the least-squares fit on its positive entries (a previous
     refit's answer, padded with zeros for new columns), so it is taken as it is."""
     s = gram.shape[0]
-    ridge = 1e-10 * float(gram.diagonal().mean().clamp_min(1e-300))
-    tol = 1e-10 * float(rhs.abs().max().clamp_min(1e-300))
-    passive = start > 0 if start is not None else torch.zeros(s, dtype=torch.bool)
-    w = torch.zeros(s, dtype=torch.float64)
-    if solved and start is not None:
-        w = torch.where(passive, start, w)
+    ridge, tol, passive, w = _initial(gram, rhs, start, solved)
     while passive.any() and not solved:  # the largest subset whose least-squares fit is > 0
         z = _solve_on(gram, rhs, passive, ridge)
         if not (passive & (z <= 0)).any():
@@ -144,8 +205,25 @@ def gram_nnls(
         passive[j] = True
         w = _feasible(gram, rhs, passive, w, ridge)
     # (Past the cap, which degenerate ties could reach, w is still feasible and no worse than
-    # any earlier iterate: good enough to pick OMP's next keys; the final fit is SciPy's.)
+    # any earlier iterate: good enough to pick OMP's next keys.)
     return w
+
+
+def _initial(
+    gram: Tensor, rhs: Tensor, start: Tensor | None, solved: bool
+) -> tuple[float, float, Tensor, Tensor]:
+    """What both active-set methods start from: (ridge, tolerance on the gradient, passive set
+    [s] bool, weights [s]): a small ridge keeps the solves defined where chosen columns are
+    nearly collinear (exp-score columns often are); the passive set is `start`'s positive
+    entries, and the weights are `start` there where it is `solved`, else 0."""
+    ridge = 1e-10 * float(gram.diagonal().mean().clamp_min(1e-300))
+    tol = 1e-10 * float(rhs.abs().max().clamp_min(1e-300))
+    s = gram.shape[0]
+    passive = start > 0 if start is not None else torch.zeros(s, dtype=torch.bool)
+    w = torch.zeros(s, dtype=torch.float64)
+    if solved and start is not None:
+        w = torch.where(passive, start, w)
+    return ridge, tol, passive, w
 
 
 def _solve_on(gram: Tensor, rhs: Tensor, passive: Tensor, ridge: float) -> Tensor:

@@ -21,7 +21,7 @@ from engine.attention_matching import (
     summary,
     targets,
 )
-from engine.nnls import gram_nnls
+from engine.nnls import gram_nnls, nonnegative_weights, pivoting_nnls
 
 
 def _head(
@@ -157,6 +157,83 @@ def test_gram_nnls_matches_scipy(warm):
         best = float(torch.linalg.norm(a @ torch.from_numpy(ref) - m))
         assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
         assert (ref == 0).sum() > 0  # the constraint was active: not a plain least squares
+
+
+def _nnls_problem(gen: torch.Generator, rows: int, cols: int, spread: float = 0.0):
+    """Exp-score-like columns (positive, strongly correlated) and a target that some weights
+    would have to go negative to fit; `spread`: the columns' scales span 10^spread."""
+    a = torch.rand(rows, cols, generator=gen, dtype=torch.float64) ** 2
+    a = a @ (
+        torch.eye(cols, dtype=torch.float64)
+        + 0.3 * torch.rand(cols, cols, generator=gen, dtype=torch.float64)
+    )
+    a = a * 10 ** (-spread * torch.rand(cols, generator=gen, dtype=torch.float64))
+    m = a @ (torch.randn(cols, generator=gen, dtype=torch.float64) + 0.5)
+    m += 0.1 * torch.rand(rows, generator=gen, dtype=torch.float64)  # off the columns' span
+    return a, m
+
+
+def _scipy_nnls(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    from scipy.optimize import nnls
+
+    ref, _ = nnls(a.numpy(), m.numpy(), maxiter=200 * a.shape[1])
+    return torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("start", ["empty", "stale", "solved"])
+def test_pivoting_nnls_reaches_scipys_optimum(start):
+    """Block principal pivoting from no passive set, from a stale one, and from a previous
+    refit's answer (the last columns new): SciPy's optimum, and it says it converged."""
+    gen = torch.Generator().manual_seed(3)
+    for cols in (3, 30, 120):
+        a, m = _nnls_problem(gen, 300, cols)
+        ref = _scipy_nnls(a, m)
+        begin, solved = None, False
+        if start == "stale":
+            begin = ref.clone()
+            begin[: cols // 2] = 0
+            begin[cols // 2 :] += 0.1
+        elif start == "solved":
+            old = _scipy_nnls(a[:, : cols - cols // 4], m)
+            begin, solved = torch.cat([old, torch.zeros(cols // 4, dtype=torch.float64)]), True
+        w, converged = pivoting_nnls(a.T @ a, a.T @ m, begin, solved)
+        assert converged and (w >= 0).all()
+        best = float(torch.linalg.norm(a @ ref - m))
+        assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
+        # past 3 columns the constraint is active: not a plain least squares
+        assert cols == 3 or (ref == 0).sum() > 0
+
+
+def test_beta_weights_equal_scipys_on_columns_of_very_different_scales(monkeypatch):
+    """The final fit's NNLS scales the columns first: with squared norms 1e12 apart (as a
+    head's exp-score columns are at 8K keys) its optimum is still SciPy's, where the unscaled
+    Gram NNLS falls short; and where the active set does not converge, the answer is SciPy's."""
+    gen = torch.Generator().manual_seed(4)
+    a, m = _nnls_problem(gen, 400, 80, spread=6.0)
+    ref = _scipy_nnls(a, m)
+    best = float(torch.linalg.norm(a @ ref - m))
+    w = nonnegative_weights(a.float(), m.float()).double()
+    # fp32 in and out (as fit passes them): as close as rounding the weights allows
+    a32, m32 = a.float().double(), m.float().double()
+    best32 = float(torch.linalg.norm(a32 @ _scipy_nnls(a32, m32).float().double() - m32))
+    assert float(torch.linalg.norm(a32 @ w - m32)) <= best32 * (1 + 1e-6)
+    unscaled = gram_nnls(a.T @ a, a.T @ m)
+    assert float(torch.linalg.norm(a @ unscaled - m)) > best * (1 + 1e-6)
+
+    import engine.nnls
+
+    monkeypatch.setattr(engine.nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
+    fallback = nonnegative_weights(a.float(), m.float()).double()
+    assert torch.equal(fallback.float(), _scipy_nnls(*_reduced_like(a32, m32)).float())
+
+
+def _reduced_like(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The problem nonnegative_weights hands SciPy when its own NNLS does not converge."""
+    from engine.nnls import _reduced
+
+    if a.shape[0] > 2 * a.shape[1]:
+        return _reduced(a, m, a.T @ a, a.T @ m)
+    return a, m
 
 
 def test_gram_nnls_grows_from_a_previous_refit():
