@@ -267,3 +267,23 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(setup):
     finally:
         engine.prefill_tokens = 512
     assert got == solo
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_growing_cache_keeps_its_slots_and_zeroes_the_new_ones(dtype):
+    """ensure_capacity doubles every layer's keys, values and biases: the old slots as they
+    were, the new ones zero, each buffer contiguous as attention expects."""
+    from models.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache.allocate(2, 2, 3, 8, 5, "cpu", dtype)
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    cache.biases = [torch.randn(2, 3, 5, generator=gen) for _ in range(2)]
+    before = [t.clone() for t in cache.keys + cache.values + cache.biases]
+    cache.ensure_capacity(7)
+    assert cache.capacity == 10
+    for old, new in zip(before, cache.keys + cache.values + cache.biases, strict=True):
+        assert new.dtype == old.dtype and new.is_contiguous() and new.shape[2] == 10
+        assert torch.equal(new[:, :, :5], old)
+        assert not new[:, :, 5:].any()
