@@ -110,6 +110,15 @@ class Band:
         window = (block * self.rows - self.window, start)
         return disjoint(((0, self.lead), window), 0, start)
 
+    def blocks(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(block, lo, hi) for each block that new tokens [start, stop) meet: its rows [lo, hi)
+        among them, in order."""
+        first, last = start // self.rows, (stop - 1) // self.rows
+        return [
+            (b, max(start, b * self.rows), min(stop, (b + 1) * self.rows))
+            for b in range(first, last + 1)
+        ]
+
     def key_ranges(self, block: int, start: int, cached: int) -> list[tuple[int, int]]:
         """What all of block `block`'s new tokens from `start` on see, as key indices of a
         continuation of `cached` slots (the cached ranges, then the new tokens' before

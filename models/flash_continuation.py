@@ -86,10 +86,9 @@ def attend_rows(
     [B, H, stop - start, D]. With a `band`, only what it lets each row see."""
     assert _FLASH is not None
     if band is not None:  # its blocks: each sees a few key ranges whole
-        first, last = start // band.rows, (stop - 1) // band.rows
         blocks = [
-            _banded_rows(q, k, v, bias, scale, block, start, stop, band)
-            for block in range(first, last + 1)
+            _banded_rows(q, k, v, bias, scale, block, lo, hi, band)
+            for block, lo, hi in band.blocks(start, stop)
         ]
         return torch.cat(blocks, dim=2)
     q_len, key_len = q.shape[2], k.shape[2]
@@ -149,16 +148,14 @@ def _banded_rows(
     bias: Tensor | None,
     scale: float,
     block: int,
-    start: int,
-    stop: int,
+    lo: int,
+    hi: int,
     band: Band,
 ) -> Tensor:
-    """Rows [start, stop) of the new tokens that lie in the band's block `block`: the cached
-    and earlier new-token ranges it sees (no mask: all its rows see all of them), then the
-    rows themselves causally, merged by log-sum-exp -> [B, H, rows, D]."""
-    q_len, key_len = q.shape[2], k.shape[2]
-    cached = key_len - q_len
-    lo, hi = max(start, block * band.rows), min(stop, (block + 1) * band.rows)
+    """Rows [lo, hi) of the new tokens, all in the band's block `block`: the cached and
+    earlier new-token ranges they see (no mask: all of them see all of those), then the rows
+    themselves causally, merged by log-sum-exp -> [B, H, hi - lo, D]."""
+    cached = k.shape[2] - q.shape[2]
     rows = q[:, :, lo:hi]
     parts = []
     for a, b in band.key_ranges(block, lo, cached):
@@ -200,8 +197,7 @@ def packed_rows(
     if band is None:
         return _packed(q, packed, scale, start, stop, [(0, cached + stop)], cached)
     blocks = []
-    for block in range(start // band.rows, (stop - 1) // band.rows + 1):
-        lo, hi = max(start, block * band.rows), min(stop, (block + 1) * band.rows)
+    for block, lo, hi in band.blocks(start, stop):
         own = (cached + lo, cached + hi)
         ranges = disjoint([*band.key_ranges(block, lo, cached), own], 0, packed.length)
         blocks.append(_packed(q, packed, scale, lo, hi, ranges, cached))
