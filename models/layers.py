@@ -152,23 +152,15 @@ class Attention(nn.Module):
                 q, k, v, is_causal=mask.is_causal, scale=self.scale, enable_gqa=self._gqa
             )
             return self._output(out)
-        # The CPU flash parts (no [Q, K] mask): a causal continuation of a cache, or cached
-        # tokens read again; each computes query rows [start, stop) by its own rule.
-        flash_rows, max_rows = None, None
-        if flash_continuation.applies(q, mask):
-            flash_rows = partial(flash_continuation.attend_rows, band=mask.band)
-        elif flash_continuation.rereads(q, mask):
-            flash_rows = partial(flash_continuation.reread_rows, slots=mask.reread)
-            max_rows = REREAD_ROWS
+        # The CPU flash parts or the fused kernel (no [Q, K] mask): a causal continuation of a
+        # cache, or cached tokens read again; each computes query rows [start, stop).
+        rule = _flash_rule(q, mask)
         outs = []
-        if flash_rows is not None:
+        if rule is not None:
+            flash_rows, fused_rows, max_rows = rule
             if kernels.packs_attention(q, k):  # the fused kernel: one call per chunk
                 packed = kernels.pack_attention(k, v, bias)
-                if mask.reread is not None:
-                    rows = partial(flash_continuation.packed_reread, slots=mask.reread)
-                else:
-                    rows = partial(flash_continuation.packed_rows, band=mask.band)
-                flash_rows = partial(rows, q, packed, self.scale)
+                flash_rows = partial(fused_rows, q, packed, self.scale)
             else:
                 kh, vh, bh = flash_continuation.per_head(k, v, bias, self.num_heads, q.dtype)
                 flash_rows = partial(flash_rows, q, kh, vh, bh, self.scale)
@@ -313,3 +305,21 @@ class Block(nn.Module):
     def _after_attention(self, h: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         h, residual = self.mlp_norm.add_forward(h, residual)
         return self.mlp(h), residual
+
+
+def _flash_rule(q: Tensor, mask: AttentionMask) -> tuple[Callable, Callable, int | None] | None:
+    """How query rows of this attention are computed without a [Q, K] mask, where they can be:
+    (the flash parts' function, the fused kernel's, the most rows per chunk), else None."""
+    if flash_continuation.applies(q, mask):
+        return (
+            partial(flash_continuation.attend_rows, band=mask.band),
+            partial(flash_continuation.packed_rows, band=mask.band),
+            None,
+        )
+    if flash_continuation.rereads(q, mask):
+        return (
+            partial(flash_continuation.reread_rows, slots=mask.reread),
+            partial(flash_continuation.packed_reread, slots=mask.reread),
+            REREAD_ROWS,
+        )
+    return None
