@@ -25,7 +25,7 @@ def nonnegative_weights(a: Tensor, m: Tensor) -> Tensor:
     gram, rhs = a64.T @ a64, a64.T @ m64  # [t, t], [t]
     w = scaled_gram_nnls(gram, rhs)
     if w is None:
-        r, c = _reduced(a64, m64, gram, rhs) if a64.shape[0] > 2 * a64.shape[1] else (a64, m64)
+        r, c = _reduced(a64, m64, gram, rhs)
         w_np, _ = nnls(r.numpy(), c.numpy(), maxiter=50 * a.shape[1] + 100)
         w = torch.from_numpy(np.asarray(w_np))
     return w.float()
@@ -56,7 +56,10 @@ def scaled_gram_nnls(gram: Tensor, rhs: Tensor) -> Tensor | None:
 def _reduced(a: Tensor, m: Tensor, gram: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     """(R [t, t], c [t]) with ||a w - m||^2 = ||R w - c||^2 + const (float64), for
     gram = a^T a and rhs = a^T m: R from the Cholesky factor of the Gram matrix (R^T R = a^T a),
-    or from a QR of a where that is too ill-conditioned for Cholesky in float64."""
+    or from a QR of a where that is too ill-conditioned for Cholesky in float64. With n <= 2t
+    rows, (a, m) as they are: a reduction would not pay for itself."""
+    if a.shape[0] <= 2 * a.shape[1]:
+        return a, m
     chol, info = torch.linalg.cholesky_ex(gram)  # gram = L L^T, R = L^T
     diag = chol.diagonal()
     if int(info) == 0 and float(diag.min()) > 1e-7 * float(diag.max()):

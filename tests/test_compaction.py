@@ -21,7 +21,7 @@ from engine.attention_matching import (
     summary,
     targets,
 )
-from engine.nnls import gram_nnls, nonnegative_weights, pivoting_nnls
+from engine.nnls import _reduced, gram_nnls, nonnegative_weights, pivoting_nnls
 
 
 def _head(
@@ -224,16 +224,8 @@ def test_beta_weights_equal_scipys_on_columns_of_very_different_scales(monkeypat
 
     monkeypatch.setattr(engine.nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
     fallback = nonnegative_weights(a.float(), m.float()).double()
-    assert torch.equal(fallback.float(), _scipy_nnls(*_reduced_like(a32, m32)).float())
-
-
-def _reduced_like(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The problem nonnegative_weights hands SciPy when its own NNLS does not converge."""
-    from engine.nnls import _reduced
-
-    if a.shape[0] > 2 * a.shape[1]:
-        return _reduced(a, m, a.T @ a, a.T @ m)
-    return a, m
+    reduced = _reduced(a32, m32, a32.T @ a32, a32.T @ m32)  # what SciPy is handed then
+    assert torch.equal(fallback.float(), _scipy_nnls(*reduced).float())
 
 
 def test_gram_nnls_grows_from_a_previous_refit():
