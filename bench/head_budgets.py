@@ -5,18 +5,18 @@
 The AM paper's non-uniform budgets, measured offline once per model (its influence curves):
 on calibration contexts (Python standard-library docstrings with the compaction bench's
 synthetic facts inserted: neither of the texts `bench.compaction` evaluates on), every context
-is compacted uniformly to t slots per KV head with `--method`, and also to t/2 and to 2t; then,
-one (layer, KV head) at a time, that head's segment is swapped for its t/2 or 2t one, the rest
-left at t, and the facts' answer NLL measured (`bench.compaction.answer_nll`, the questions'
-wording; the paraphrased questions stay held out). The change from the uniform cache, averaged
-over contexts, is each head's curve at t/2, t and 2t: a convex piecewise-linear loss of its
-slots (the upper hull where the measured points are not convex; a head whose loss does not fall
-with more slots gains nothing from them).
+is compacted uniformly to t slots per KV head with `--method`, and also to t/2, 2t and 4t
+(LEVELS); then, one (layer, KV head) at a time, that head's segment is swapped for one of the
+others, the rest left at t, and the facts' answer NLL measured (`bench.compaction.answer_nll`,
+the questions' wording; the paraphrased questions stay held out). The change from the uniform
+cache, averaged over contexts, is each head's curve at t/2, t, 2t and 4t: a convex
+piecewise-linear loss of its slots (the lower convex hull of the measured points; a head whose
+loss does not fall with more slots gains nothing from them).
 
 The schedule spends the same total, layers x heads x t, where the curves fall fastest: every
 head from t/2, the slots to the steepest segments first. Its shares (a head's slots over the
 total) are written to `--out`; `engine.compaction_budgets.from_schedule` applies them at any
-ratio. A head's swapped segment is padded to 2t with masked slots (zero K/V, -inf bias, which
+ratio. A head's swapped segment is padded to 4t with masked slots (zero K/V, -inf bias, which
 change no logits), so every head of a layer keeps one length while the others stay at t.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import random
 import statistics
 import time
@@ -104,6 +105,11 @@ DOC_MODULES = (
 )
 
 Segment = tuple[Tensor, Tensor, Tensor]  # keys, values [Hkv, t, D], biases [Hkv, t]
+# The budgets each head's loss is measured at besides t, as multiples of t. Up to 4t: with a
+# 2t ceiling the heads that carry the fact lookups were still losing steeply at 2t (layer 18
+# head 2: +0.21 at t/2, -0.24 at 2t), and 22 of the 90 heads got the ceiling
+# (`engine.compaction_budgets.SCHEDULE_MOST`, which `from_schedule` enforces, is this 4).
+LEVELS = {"low": 0.5, "high": 2.0, "higher": 4.0}
 
 
 def calibration_text() -> str:
@@ -182,55 +188,70 @@ def facts_nll(model, cache: KVCache, facts: list[tuple[list[int], list[int]]]) -
 
 
 def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: int) -> dict:
-    """One context's influence: per (layer, head), the facts NLL change at t/2 and 2t."""
+    """One context's influence: per (layer, head), the facts NLL change at each of LEVELS."""
     region = len(ids) - keep_recent
     full = model.new_cache(1, len(ids) + 64)
     with torch.no_grad():
         model(torch.tensor([ids], device=model.device), cache=full)
     source = QUERY_SOURCE[method]  # the fidelity bench's source for the method
     queries = list(reference_queries(model, tok, full, 0, ids, source))
-    levels = {"low": max(1, target // 2), "base": target, "high": min(region, 2 * target)}
+    levels = {"base": target} | {
+        name: min(region, max(1, int(x * target))) for name, x in LEVELS.items()
+    }
     segs = {}
     for name, t in levels.items():
         cache = full.extract_row(0)
         compact_row(model, tok, cache, 0, ids, t, method, source, keep_recent, reference=queries)
         segs[name] = segments(cache, t)
-    slots = levels["high"]
+    slots = max(levels.values())
     work = swapped_cache(full, region, segs["base"], slots)
     base = facts_nll(model, work, facts)
     cfg = model.config
-    delta = {"low": [[0.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)]}
-    delta["high"] = [[0.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)]
+    delta = {name: [[0.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)] for name in LEVELS}
     for layer in range(cfg.num_layers):
         for head in range(cfg.num_kv_heads):
-            for name in ("low", "high"):
+            for name in LEVELS:
                 put_head(work, layer, head, segs[name][layer], slots)
                 delta[name][layer][head] = facts_nll(model, work, facts) - base
             put_head(work, layer, head, segs["base"][layer], slots)
     return {"base_nll": base, "levels": levels, **delta}
 
 
-def solve(low: list[float], high: list[float], target: int) -> list[int]:
-    """Slots per head (flat) spending heads x target, given each head's loss change at t/2
-    (`low`) and 2t (`high`) from t: every head from t/2, then the steepest falls first."""
-    half, double = max(1, target // 2), 2 * target
-    segments_: list[tuple[float, int, int]] = []  # (loss fall per slot, head, slots)
-    for h, (dl, dh) in enumerate(zip(low, high, strict=True)):
-        first = dl / (target - half) if target > half else 0.0  # t/2 -> t
-        second = -dh / (double - target)  # t -> 2t
-        if second > first:  # not convex: the chord over both
-            first = second = (dl - dh) / (double - half)
-        segments_ += [(max(first, 0.0), h, target - half), (max(second, 0.0), h, target)]
-    slots = [half] * len(low)
-    left = target * len(low) - half * len(low)
-    # Steepest first; within a head the t/2 -> t segment always comes before t -> 2t.
-    for _, h, size in sorted(segments_, key=lambda s: -s[0]):
+def solve(changes: list[list[float]], target: int) -> list[int]:
+    """Slots per head (flat) spending heads x target, given each head's loss change from t at
+    each of LEVELS (changes[h], in LEVELS' order): every head from the fewest, then the
+    steepest falls first, a head's segments in order (its curve made convex: `_falls`)."""
+    sizes = [max(1, int(x * target)) for x in LEVELS.values()]
+    fewest = min(sizes)
+    segments_: list[tuple[float, int, int, int]] = []  # (loss fall per slot, order, head, slots)
+    for h, change in enumerate(changes):
+        points = sorted([(target, 0.0), *zip(sizes, change, strict=True)])
+        for order, (fall, size) in enumerate(_falls(points)):
+            segments_.append((max(fall, 0.0), order, h, size))
+    slots = [fewest] * len(changes)
+    left = (target - fewest) * len(changes)
+    for _, _, h, size in sorted(segments_, key=lambda s: (-s[0], s[1])):
         take = min(size, left)
         slots[h] += take
         left -= take
         if left == 0:
             break
     return slots
+
+
+def _falls(points: list[tuple[int, float]]) -> list[tuple[float, int]]:
+    """(loss fall per slot, slots) of each segment between the (slots, loss) points, in order,
+    merged where a later segment falls faster than an earlier one (pool adjacent violators:
+    the lower convex hull), so that the falls never steepen with more slots."""
+    out: list[tuple[float, int]] = []
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x1 <= x0:
+            continue
+        out.append(((y0 - y1) / (x1 - x0), x1 - x0))
+        while len(out) > 1 and out[-1][0] > out[-2][0]:
+            (f2, s2), (f1, s1) = out.pop(), out.pop()
+            out.append(((f1 * s1 + f2 * s2) / (s1 + s2), s1 + s2))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -275,14 +296,14 @@ def main(argv: list[str] | None = None) -> dict:
             for layer in range(cfg.num_layers)
             for head in range(cfg.num_kv_heads)
         ]
-        for name in ("low", "high")
+        for name in LEVELS
     }
     t = curves[0]["levels"]["base"]
-    flat = solve(mean["low"], mean["high"], t)
+    flat = solve([list(x) for x in zip(*(mean[n] for n in LEVELS), strict=True)], t)
     total = sum(flat)
     heads = cfg.num_kv_heads
     shares = [[flat[i + j] / total for j in range(heads)] for i in range(0, len(flat), heads)]
-    print(f"\nper layer: slots (of {heads} x {t} uniform), facts NLL change at t/2 | 2t")
+    print(f"\nper layer: slots (of {heads} x {t} uniform), facts NLL change at t/2 | 2t | 4t")
     for layer in range(cfg.num_layers):
         row = slice(layer * heads, (layer + 1) * heads)
         print(

@@ -11,14 +11,17 @@ largest shares, all heads at once, so a slot goes where it keeps the most attent
 keeps at least t / 4 and at most 2t slots: the floor because the fit needs keys to match at
 all, the ceiling because a segment is as long as its longest head in a cache row (the other
 heads' extra slots are padding, masked with a -inf bias, which costs attention time and, in a
-running batch, memory; on disk the segment is stored ragged, `engine/session_files.py`).
+running batch, memory; at rest in memory and on disk the segment is ragged,
+`engine/packed_cache.py`, `engine/session_files.py`).
 
 A measured schedule (`budgets="measured"`, the AM paper's idea) goes further: each head's
 share of the total is how much the model's loss depends on that head's slots, measured once
 per model offline (`bench/head_budgets.py`: on calibration texts unlike the evaluation ones,
 one head's budget changed at a time in an otherwise uniform compaction, and the change in the
 answers' NLL recorded) and shipped as a JSON file under `engine/budget_schedules/`
-(`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total.
+(`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total, a
+head up to 4t (SCHEDULE_MOST): the heads the schedule favours are those whose loss still falls
+steeply at 2t.
 """
 
 from __future__ import annotations
@@ -33,13 +36,19 @@ from torch import Tensor
 from engine.attention_matching import HeadInputs, highest_attention_scores
 from models.kv_cache import KVCache
 
+# A measured schedule may give a head up to 4t: the heads that carry the fact lookups still
+# lose steeply at 2t (bench/head_budgets.py measures each head at t/2, 2t and 4t). A session
+# rests ragged (`engine.packed_cache`), so the longest head costs memory only in a running
+# batch, where the segment is as long as it.
+SCHEDULE_MOST = 4
 ALLOCATION_QUERIES = 512  # per KV head: enough to rank its keys, a quarter of a fit's cost
 SCHEDULES = Path(__file__).parent / "budget_schedules"  # measured schedules, one per model
 
 
-def bounds(target: int, region: int) -> tuple[int, int]:
-    """The fewest and most slots one head may get when the average is `target`."""
-    return max(1, target // 4), min(region, 2 * target)
+def bounds(target: int, region: int, most: float = 2) -> tuple[int, int]:
+    """The fewest and most slots one head may get when the average is `target`: t / 4 and
+    `most` x t (2 by attention, SCHEDULE_MOST by a measured schedule)."""
+    return max(1, target // 4), min(region, int(most * target))
 
 
 def allocate(
@@ -98,11 +107,11 @@ def from_schedule(shares: list[list[float]], target: int, region: int) -> list[l
     """Per layer, per KV head, its slots: every head `bounds`' least, and what is left of
     the total (layers x heads x target) in proportion to a measured schedule's shares, no
     head past the most (its excess goes to the others, in proportion), the rounding
-    remainders to the largest fractions: the total exactly."""
+    remainders to the largest fractions: the total exactly. The most is SCHEDULE_MOST x t."""
     flat = torch.tensor([x for layer in shares for x in layer], dtype=torch.float64)
     if len(flat) == 0 or bool((flat < 0).any()) or not bool(flat.isfinite().all()):
         raise ValueError("a budget schedule's shares must be finite and >= 0")
-    low, high = bounds(target, region)
+    low, high = bounds(target, region, SCHEDULE_MOST)
     extra = float(target * len(flat) - low * len(flat))
     add = torch.zeros(len(flat), dtype=torch.float64)
     free = torch.ones(len(flat), dtype=torch.bool)

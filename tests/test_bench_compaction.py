@@ -95,12 +95,21 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
 def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
     from bench.head_budgets import solve
 
-    # Head 0 loses much at t/2 and gains much at 2t; head 1 neither; head 2 gains from 2t only
-    # a little, and head 3's loss rises with more slots (noise): it gets nothing above t/2.
-    low, high = [0.5, 0.01, 0.05, 0.0], [-0.4, 0.0, -0.02, 0.1]
-    slots = solve(low, high, 10)
+    # Loss changes from t at t/2, 2t, 4t. Head 0 loses much at t/2 and gains much at 2t, no
+    # more at 4t; head 1 neither; head 2 gains from 2t only a little, and head 3's loss rises
+    # with more slots (noise): it gets nothing above t/2.
+    changes = [[0.5, -0.4, -0.4], [0.01, 0.0, 0.0], [0.05, -0.02, -0.02], [0.0, 0.1, 0.1]]
+    slots = solve(changes, 10)
     assert sum(slots) == 40 and slots[0] == 20 and slots[3] == 5
     assert slots[0] > slots[2] >= slots[1] >= 5
+    # Still falling at 4t: head 0 takes slots past 2t before anyone's shallower segments.
+    changes[0][2] = -0.9
+    assert solve(changes, 10) == [25, 5, 5, 5]
+    # A curve that falls fastest from 2t to 4t is made convex: head 0's segments merge into
+    # one of 0.0157 per slot, which beats head 1's t -> 2t (0.012) where head 0's first
+    # segment alone (0.01) would not: the last 5 slots go to head 0, not head 1.
+    steep_late = [[0.05, -0.01, -0.5], [0.3, -0.12, -0.12]]
+    assert solve(steep_late, 10) == [10, 10]
 
 
 def test_method_specs_name_source_budgets_quantization_and_key_ranking():

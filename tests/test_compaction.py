@@ -866,7 +866,7 @@ def test_an_idle_non_uniform_session_rests_ragged_in_memory_and_unpacks_exactly(
 def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
     import random
 
-    from engine.compaction_budgets import bounds, from_schedule
+    from engine.compaction_budgets import SCHEDULE_MOST, bounds, from_schedule
 
     rng = random.Random(0)
     for _ in range(300):
@@ -876,7 +876,7 @@ def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
         target = rng.randint(1, 40)
         region = rng.randint(target, 200)
         counts = [c for layer in from_schedule(shares, target, region) for c in layer]
-        low, high = bounds(target, region)
+        low, high = bounds(target, region, SCHEDULE_MOST)
         assert sum(counts) == target * layers * heads
         assert all(low <= c <= high for c in counts)
         flat = [x for layer in shares for x in layer]
@@ -886,6 +886,9 @@ def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
                     assert counts[i] >= counts[j] - 1
     # Away from the bounds the split is the shares' proportion: 1 : 3 of what is above t/4.
     assert from_schedule([[1.0, 3.0]], 40, 1000) == [[10 + 15, 10 + 45]]
+    # A head with all the share gets past 2t (to 4t at most; here the total runs out first).
+    assert from_schedule([[1.0, 0.0, 0.0, 0.0]], 10, 1000) == [[34, 2, 2, 2]]
+    assert from_schedule([[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]], 10, 1000)[0][0] == 40
     with pytest.raises(ValueError, match="shares"):
         from_schedule([[1.0, -1.0]], 10, 100)
 
