@@ -105,10 +105,11 @@ DOC_MODULES = (
 )
 
 Segment = tuple[Tensor, Tensor, Tensor]  # keys, values [Hkv, t, D], biases [Hkv, t]
-# The budgets each head's loss is measured at besides t, as multiples of t. Up to 4t: with a
-# 2t ceiling the heads that carry the fact lookups were still losing steeply at 2t (layer 18
-# head 2: +0.21 at t/2, -0.24 at 2t), and 22 of the 90 heads got the ceiling
-# (`engine.compaction_budgets.SCHEDULE_MOST`, which `from_schedule` enforces, is this 4).
+# The budgets each head's loss is measured at besides t, as multiples of t. Up to 4t: the
+# heads that carry the fact lookups still lose steeply past 2t (SmolLM2-135M's layer 18 head
+# 2, 3 contexts: +0.08 at t/2, -0.07 at 2t, -0.28 at 4t), and with a 2t ceiling 23 of its 90
+# heads got the ceiling (`engine.compaction_budgets.SCHEDULE_MOST`, which `from_schedule`
+# enforces, is this 4).
 LEVELS = {"low": 0.5, "high": 2.0, "higher": 4.0}
 
 
