@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from bench.compaction import QUERY_SOURCE, answer_nll, make_context, save_json
-from engine.compaction_budgets import schedule_name
+from engine.compaction_budgets import SCHEDULE_MOST, schedule_name
 from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
 from models.loading import load_model
@@ -108,9 +108,8 @@ Segment = tuple[Tensor, Tensor, Tensor]  # keys, values [Hkv, t, D], biases [Hkv
 # The budgets each head's loss is measured at besides t, as multiples of t. Up to 4t: the
 # heads that carry the fact lookups still lose steeply past 2t (SmolLM2-135M's layer 18 head
 # 2, 3 contexts: +0.08 at t/2, -0.07 at 2t, -0.28 at 4t), and with a 2t ceiling 23 of its 90
-# heads got the ceiling (`engine.compaction_budgets.SCHEDULE_MOST`, which `from_schedule`
-# enforces, is this 4).
-LEVELS = {"low": 0.5, "high": 2.0, "higher": 4.0}
+# heads got the ceiling. The highest level is the most `from_schedule` lets a head have.
+LEVELS = {"low": 0.5, "high": 2.0, "higher": float(SCHEDULE_MOST)}
 
 
 def calibration_text() -> str:
