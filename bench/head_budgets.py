@@ -239,6 +239,12 @@ def solve(changes: list[list[float]], target: int) -> list[int]:
     return slots
 
 
+def shares_of(slots: list[int], heads: int) -> list[list[float]]:
+    """Per layer, per KV head, its slots (flat, as `solve` gives them) over their total."""
+    total = sum(slots)
+    return [[x / total for x in slots[i : i + heads]] for i in range(0, len(slots), heads)]
+
+
 def _falls(points: list[tuple[int, float]]) -> list[tuple[float, int]]:
     """(loss fall per slot, slots) of each segment between the (slots, loss) points, in order,
     merged where a later segment falls faster than an earlier one (pool adjacent violators:
@@ -300,9 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     t = curves[0]["levels"]["base"]
     flat = solve([list(x) for x in zip(*(mean[n] for n in LEVELS), strict=True)], t)
-    total = sum(flat)
     heads = cfg.num_kv_heads
-    shares = [[flat[i + j] / total for j in range(heads)] for i in range(0, len(flat), heads)]
+    shares = shares_of(flat, heads)
     print(f"\nper layer: slots (of {heads} x {t} uniform), facts NLL change at t/2 | 2t | 4t")
     for layer in range(cfg.num_layers):
         row = slice(layer * heads, (layer + 1) * heads)

@@ -19,9 +19,10 @@ share of the total is how much the model's loss depends on that head's slots, me
 per model offline (`bench/head_budgets.py`: on calibration texts unlike the evaluation ones,
 one head's budget changed at a time in an otherwise uniform compaction, and the change in the
 answers' NLL recorded) and shipped as a JSON file under `engine/budget_schedules/`
-(`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total, a
-head up to 4t (SCHEDULE_MOST): the heads the schedule favours are those whose loss still falls
-steeply at 2t.
+(`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total, in
+proportion (so at the calibration's ratio, the slots the calibration solved for), a head up to
+4t (SCHEDULE_MOST): the heads the schedule favours are those whose loss still falls steeply at
+2t.
 """
 
 from __future__ import annotations
@@ -104,35 +105,53 @@ def _by_shares(
 
 
 def from_schedule(shares: list[list[float]], target: int, region: int) -> list[list[int]]:
-    """Per layer, per KV head, its slots: every head `bounds`' least, and what is left of
-    the total (layers x heads x target) in proportion to a measured schedule's shares, no
-    head past the most (its excess goes to the others, in proportion), the rounding
-    remainders to the largest fractions: the total exactly. The most is SCHEDULE_MOST x t."""
+    """Per layer, per KV head, its slots: in proportion to a measured schedule's shares, each
+    within `bounds` (t / 4 to SCHEDULE_MOST x t; what a bound takes or leaves goes to the
+    others, in proportion), the total (layers x heads x target) exactly, the rounding
+    remainders to the largest fractions. At the ratio it was measured at, a schedule that
+    `bench.head_budgets` solved within those bounds gives back its slots exactly; at another
+    ratio, every head's slots scale with the total."""
     flat = torch.tensor([x for layer in shares for x in layer], dtype=torch.float64)
     if len(flat) == 0 or bool((flat < 0).any()) or not bool(flat.isfinite().all()):
         raise ValueError("a budget schedule's shares must be finite and >= 0")
     low, high = bounds(target, region, SCHEDULE_MOST)
-    extra = float(target * len(flat) - low * len(flat))
-    add = torch.zeros(len(flat), dtype=torch.float64)
-    free = torch.ones(len(flat), dtype=torch.bool)
-    while free.any():  # each pass caps at least one more head, or ends
-        left = extra - float(add[~free].sum())
-        weights = torch.where(free, flat, 0.0)
-        if float(weights.sum()) <= 0:  # only heads without a share are left: evenly
-            weights = free.double()
-        add = torch.where(free, weights / float(weights.sum()) * left, add)
-        over = free & (add > high - low)
-        if not over.any():
-            break
-        add[over] = high - low
-        free &= ~over
-    whole = (add + 1e-9).floor().long() + low  # each within [low, high]
-    rest = target * len(flat) - int(whole.sum())  # 0 <= rest < heads
-    fraction = (low + add - whole).masked_fill(whole >= high, -1.0)
-    whole[fraction.argsort(descending=True)[:rest]] += 1
+    total = target * len(flat)
+    if float(flat.sum()) <= 0:  # no head has a share: evenly
+        flat = torch.ones_like(flat)
+    exact = _proportional(flat, float(total), low, high)  # [heads], each in [low, high]
+    whole = (exact + 1e-9).floor().long().clamp(low, high)
+    rest = total - int(whole.sum())  # |rest| < heads (< 0 only by the bisection's last bit)
+    fraction = exact - whole
+    if rest > 0:
+        whole[fraction.masked_fill(whole >= high, -2.0).argsort(descending=True)[:rest]] += 1
+    elif rest < 0:
+        whole[fraction.masked_fill(whole <= low, 2.0).argsort()[:-rest]] -= 1
     heads = len(shares[0])
     out = whole.tolist()
     return [out[i : i + heads] for i in range(0, len(out), heads)]
+
+
+def _proportional(weights: Tensor, total: float, low: int, high: int) -> Tensor:
+    """clip(scale x weights, low, high) summing to `total` (low x n <= total <= high x n): the
+    sum grows with the scale, so bisect it. Where the heads with a weight all at `high` are
+    still short of the total, the heads without one share the rest evenly."""
+    most = torch.where(weights > 0, high, low).to(weights.dtype)  # [n]: as the scale grows
+    if float(most.sum()) < total:
+        none = weights <= 0
+        rest = total - float(most[~none].sum())
+        even = _proportional(none[none].to(weights.dtype), rest, low, high)
+        return most.masked_scatter(none, even)
+
+    def spent(scale: float) -> float:
+        return float((weights * scale).clamp(low, high).sum())
+
+    lo, hi = 0.0, 1.0
+    while spent(hi) < total:
+        hi *= 2
+    for _ in range(200):  # float64: by then lo and hi are neighbours
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if spent(mid) < total else (lo, mid)
+    return (weights * hi).clamp(low, high)
 
 
 def schedule_name(spec: str) -> str:

@@ -112,6 +112,30 @@ def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
     assert solve(steep_late, 10) == [10, 10]
 
 
+def test_a_solved_schedule_gives_back_its_slots_at_its_ratio_and_scales_at_others():
+    """The server applies a schedule (`from_schedule`) as the calibration solved it: the same
+    slots at the target it was solved for, half of them (within rounding) at half of it."""
+    import random
+
+    from bench.head_budgets import shares_of, solve
+    from engine.compaction_budgets import from_schedule
+
+    rng = random.Random(1)
+    for _ in range(50):
+        layers, heads, target = rng.randint(1, 6), rng.randint(1, 4), 2 * rng.randint(4, 30)
+        changes = [
+            [rng.uniform(-0.01, 0.3), rng.uniform(-0.3, 0.01), rng.uniform(-0.6, 0.01)]
+            for _ in range(layers * heads)
+        ]
+        slots = solve(changes, target)
+        shares = shares_of(slots, heads)
+        region = 10 * target
+        assert [x for layer in from_schedule(shares, target, region) for x in layer] == slots
+        half = [x for layer in from_schedule(shares, target // 2, region) for x in layer]
+        assert sum(half) == len(slots) * (target // 2)
+        assert all(abs(h - s / 2) <= 1 for h, s in zip(half, slots, strict=True))
+
+
 def test_method_specs_name_source_budgets_quantization_and_key_ranking():
     """METHOD[:SOURCE][+flags]: each flag reaches its setting, in any order, and a method's
     keys are ranked as the server ranks them unless a flag says otherwise."""
