@@ -21,8 +21,8 @@ one head's budget changed at a time in an otherwise uniform compaction, and the 
 answers' NLL recorded) and shipped as a JSON file under `engine/budget_schedules/`
 (`load_schedule`); `from_schedule` turns the shares into slots for a compaction's total, in
 proportion (so at the calibration's ratio, the slots the calibration solved for), a head up to
-4t (SCHEDULE_MOST): the heads the schedule favours are those whose loss still falls steeply at
-2t.
+8t (SCHEDULE_MOST): the heads the schedule favours are those whose loss still falls steeply at
+2t and 4t.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from torch import Tensor
 from engine.attention_matching import HeadInputs, highest_attention_scores
 from models.kv_cache import KVCache
 
-# A measured schedule may give a head up to 4t: the heads that carry the fact lookups still
-# lose steeply at 2t (bench/head_budgets.py measures each head at t/2, 2t and 4t). A session
+# A measured schedule may give a head up to 8t: the heads that carry the fact lookups still
+# lose steeply at 2t and 4t (bench/head_budgets.py measures each head at t/2 to 8t). A session
 # rests ragged (`engine.packed_cache`), so the longest head costs memory only in a running
 # batch, where the segment is as long as it.
-SCHEDULE_MOST = 4
+SCHEDULE_MOST = 8
 ALLOCATION_QUERIES = 512  # per KV head: enough to rank its keys, a quarter of a fit's cost
 SCHEDULES = Path(__file__).parent / "budget_schedules"  # measured schedules, one per model
 

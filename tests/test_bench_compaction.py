@@ -95,20 +95,28 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
 def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
     from bench.head_budgets import solve
 
-    # Loss changes from t at t/2, 2t, 4t. Head 0 loses much at t/2 and gains much at 2t, no
-    # more at 4t; head 1 neither; head 2 gains from 2t only a little, and head 3's loss rises
+    # Loss changes from t at t/2, 2t, 4t, 8t. Head 0 loses much at t/2 and gains much at 2t,
+    # no more after; head 1 neither; head 2 gains from 2t only a little, and head 3's loss rises
     # with more slots (noise): it gets nothing above t/2.
-    changes = [[0.5, -0.4, -0.4], [0.01, 0.0, 0.0], [0.05, -0.02, -0.02], [0.0, 0.1, 0.1]]
+    changes = [
+        [0.5, -0.4, -0.4, -0.4],
+        [0.01, 0.0, 0.0, 0.0],
+        [0.05, -0.02, -0.02, -0.02],
+        [0.0, 0.1, 0.1, 0.1],
+    ]
     slots = solve(changes, 10)
     assert sum(slots) == 40 and slots[0] == 20 and slots[3] == 5
     assert slots[0] > slots[2] >= slots[1] >= 5
     # Still falling at 4t: head 0 takes slots past 2t before anyone's shallower segments.
-    changes[0][2] = -0.9
+    changes[0][2:] = [-0.9, -0.9]
     assert solve(changes, 10) == [25, 5, 5, 5]
+    # And past 4t (0.015 per slot from 4t to 8t, more than the others' 0.01 from t/2 to t).
+    falling = [[0.5, -0.4, -0.9, -1.5]] + [[0.05, -0.02, -0.02, -0.02]] * 7
+    assert solve(falling, 10) == [45] + [5] * 7
     # A curve that falls fastest from 2t to 4t is made convex: head 0's segments merge into
     # one of 0.0157 per slot, which beats head 1's t -> 2t (0.012) where head 0's first
     # segment alone (0.01) would not: the last 5 slots go to head 0, not head 1.
-    steep_late = [[0.05, -0.01, -0.5], [0.3, -0.12, -0.12]]
+    steep_late = [[0.05, -0.01, -0.5, -0.5], [0.3, -0.12, -0.12, -0.12]]
     assert solve(steep_late, 10) == [10, 10]
 
 
@@ -124,7 +132,7 @@ def test_a_solved_schedule_gives_back_its_slots_at_its_ratio_and_scales_at_other
     for _ in range(50):
         layers, heads, target = rng.randint(1, 6), rng.randint(1, 4), 2 * rng.randint(4, 30)
         changes = [
-            [rng.uniform(-0.01, 0.3), rng.uniform(-0.3, 0.01), rng.uniform(-0.6, 0.01)]
+            [rng.uniform(-0.01, 0.3), *(rng.uniform(-0.3 * k, 0.01) for k in (1, 2, 4))]
             for _ in range(layers * heads)
         ]
         slots = solve(changes, target)

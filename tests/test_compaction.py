@@ -886,10 +886,10 @@ def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
                     assert counts[i] >= counts[j] - 1
     # Away from the bounds the split is the shares' proportion: 1 : 3 of the total.
     assert from_schedule([[1.0, 3.0]], 40, 1000) == [[20, 60]]
-    # A head with all the share gets past 2t (to 4t at most; here the total runs out first),
+    # A head with all the share gets past 2t (to 8t at most; here the total runs out first),
     # the heads without one t/4; past the most, they share what is left evenly.
     assert from_schedule([[1.0, 0.0, 0.0, 0.0]], 10, 1000) == [[34, 2, 2, 2]]
-    assert from_schedule([[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]], 10, 1000) == [[40, 4, 4, 4, 4, 4]]
+    assert from_schedule([[1.0] + [0.0] * 10], 10, 1000) == [[80] + [3] * 10]
     assert from_schedule([[0.0, 0.0]], 10, 100) == [[10, 10]]
     with pytest.raises(ValueError, match="shares"):
         from_schedule([[1.0, -1.0]], 10, 100)
