@@ -7,11 +7,11 @@ on calibration contexts (Python standard-library docstrings with the compaction 
 synthetic facts inserted: neither of the texts `bench.compaction` evaluates on), every context
 is compacted uniformly to t slots per KV head with `--method`, and also to t/2, 2t, 4t and 8t
 (LEVELS); then, one (layer, KV head) at a time, that head's segment is swapped for one of the
-others, the rest left at t, and the facts' answer NLL measured (`bench.compaction.answer_nll`,
-the questions' wording; the paraphrased questions stay held out). The change from the uniform
-cache, averaged over contexts, is each head's curve at t/2, t, 2t, 4t and 8t: a convex
-piecewise-linear loss of its slots (the lower convex hull of the measured points; a head whose
-loss does not fall with more slots gains nothing from them).
+others, the rest left at t, and the facts' answer NLL measured (`bench.compaction.answer_nll`'s,
+all questions in one batch: `facts_nll`; the questions' wording, the paraphrased questions stay
+held out). The change from the uniform cache, averaged over contexts, is each head's curve at
+t/2, t, 2t, 4t and 8t: a convex piecewise-linear loss of its slots (the lower convex hull of
+the measured points; a head whose loss does not fall with more slots gains nothing from them).
 
 The schedule spends the same total, layers x heads x t, where the curves fall fastest: every
 head from t/2, the slots to the steepest segments first. Its shares (a head's slots over the
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.compaction import QUERY_SOURCE, answer_nll, make_context, save_json
+from bench.compaction import QUERY_SOURCE, make_context, save_json
 from engine.compaction_budgets import SCHEDULE_MOST, schedule_name
 from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
@@ -159,8 +159,11 @@ def padded(seg: Segment, slots: int) -> Segment:
     return torch.cat([k, pad], 1), torch.cat([v, pad], 1), torch.cat([b, hidden], 1)
 
 
-def swapped_cache(full: KVCache, region: int, base: list[Segment], slots: int) -> KVCache:
-    """Row 0 of `full` with its region replaced by `base` padded to `slots` per head."""
+def swapped_cache(
+    full: KVCache, region: int, base: list[Segment], slots: int, rows: int = 1
+) -> KVCache:
+    """Row 0 of `full` with its region replaced by `base` padded to `slots` per head, in
+    `rows` identical rows (one per question `facts_nll` asks at once)."""
     work = full.extract_row(0)
     pads = [padded(s, slots) for s in base]
     dtype = full.keys[0].dtype
@@ -171,21 +174,48 @@ def swapped_cache(full: KVCache, region: int, base: list[Segment], slots: int) -
         [p[1].to(dtype) for p in pads],
         [p[2] for p in pads],
     )
-    return work
+    biases = work.biases
+    assert biases is not None
+
+    def repeat(t: Tensor) -> Tensor:  # [1, ...] -> [rows, ...], its own memory
+        return t.expand(rows, *t.shape[1:]).clone()
+
+    return KVCache(
+        [repeat(k) for k in work.keys],
+        [repeat(v) for v in work.values],
+        work.lengths * rows,
+        work.logical * rows,
+        [repeat(b) for b in biases],
+    )
 
 
 def put_head(work: KVCache, layer: int, head: int, seg: Segment, slots: int) -> None:
-    """Write one head's segment (padded to `slots`) into the first slots of `work`'s layer."""
+    """Write one head's segment (padded to `slots`) into the first slots of `work`'s layer,
+    in every row."""
     k, v, b = padded(seg, slots)
     biases = work.biases
     assert biases is not None
-    work.keys[layer][0, head, :slots] = k[head].to(work.keys[layer].dtype)
-    work.values[layer][0, head, :slots] = v[head].to(work.values[layer].dtype)
-    biases[layer][0, head, :slots] = b[head].to(biases[layer].dtype)
+    work.keys[layer][:, head, :slots] = k[head].to(work.keys[layer].dtype)
+    work.values[layer][:, head, :slots] = v[head].to(work.values[layer].dtype)
+    biases[layer][:, head, :slots] = b[head].to(biases[layer].dtype)
 
 
 def facts_nll(model, cache: KVCache, facts: list[tuple[list[int], list[int]]]) -> float:
-    return statistics.mean(answer_nll(model, cache, q, a) for q, a in facts)
+    """The mean of `bench.compaction.answer_nll` over the (question, answer) pairs, in one
+    forward: row i of `cache` (as many rows as pairs, all alike) continues with pair i, the
+    shorter pairs padded at their end, which no earlier position of a causal model sees."""
+    assert cache.batch == len(facts)
+    seqs = [q + a for q, a in facts]
+    width = max(len(x) for x in seqs)
+    ids = torch.tensor([x + [x[-1]] * (width - len(x)) for x in seqs], device=model.device)
+    cache.ensure_capacity(cache.lengths[0] + width)
+    hidden = model(ids, cache=cache, commit=False)  # [pairs, width, hidden]
+    losses = []
+    for i, (q, a) in enumerate(facts):
+        logits = model.logits(hidden[i, len(q) - 1 : len(q) + len(a) - 1]).float()
+        target = torch.tensor(a, device=model.device)
+        losses.append(float(torch.nn.functional.cross_entropy(logits, target)))
+    return statistics.mean(losses)
 
 
 def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: int) -> dict:
@@ -205,7 +235,7 @@ def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: i
         compact_row(model, tok, cache, 0, ids, t, method, source, keep_recent, reference=queries)
         segs[name] = segments(cache, t)
     slots = max(levels.values())
-    work = swapped_cache(full, region, segs["base"], slots)
+    work = swapped_cache(full, region, segs["base"], slots, rows=len(facts))
     base = facts_nll(model, work, facts)
     cfg = model.config
     delta = {name: [[0.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)] for name in LEVELS}

@@ -67,8 +67,10 @@ def test_a_layer_loss_cache_is_exact_where_it_keeps_layers_and_compacted_where_i
 
 def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
     """bench/head_budgets.py's influence cache: the uniform segment padded to 2t decodes like
-    the compacted cache itself, and swapping one head's segment writes that head alone."""
-    from bench.head_budgets import put_head, segments, swapped_cache
+    the compacted cache itself, swapping one head's segment writes that head alone (in every
+    row), and the batched facts NLL is the mean of each question's own."""
+    from bench.compaction import answer_nll
+    from bench.head_budgets import facts_nll, put_head, segments, swapped_cache
 
     context = [(5 * i) % 190 + 7 for i in range(120)]
     keep_recent, target = 8, 12
@@ -81,15 +83,29 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
         compact_row(model, tok, compacted, 0, context, t, "am-highest-fast", None, keep_recent)
         by_level[t] = (compacted, segments(compacted, t))
     uniform, base = by_level[target]
-    work = swapped_cache(full, region, base, 2 * target)
+    facts = [([40, 41, 42], [50, 51]), ([60, 61, 62, 63, 64, 65], [70]), ([80], [90, 91, 92, 93])]
+    work = swapped_cache(full, region, base, 2 * target, rows=len(facts))
     probe = [5, 17, 42, 99]
-    assert torch.allclose(_logits(model, work, probe), _logits(model, uniform, probe), atol=1e-5)
+    for row in range(len(facts)):
+        mine = _logits(model, work.extract_row(row), probe)
+        assert torch.allclose(mine, _logits(model, uniform, probe), atol=1e-5)
+
+    def each(cache) -> float:  # the mean of the questions' NLLs, one question at a time
+        return sum(answer_nll(model, cache, q, a) for q, a in facts) / len(facts)
+
+    with torch.no_grad():
+        assert abs(facts_nll(model, work, facts) - each(uniform)) < 1e-4
     before = [k.clone() for k in work.keys]
     put_head(work, 1, 0, by_level[2 * target][1][1], 2 * target)
     for layer, (old, new) in enumerate(zip(before, work.keys, strict=True)):
-        changed = (old != new).any(dim=-1).any(dim=-1)[0]  # [Hkv]: which heads' slots moved
-        assert changed.tolist() == [layer == 1 and h == 0 for h in range(len(changed))]
-    assert not torch.allclose(_logits(model, work, probe), _logits(model, uniform, probe))
+        changed = (old != new).any(dim=-1).any(dim=-1)  # [rows, Hkv]: which heads' slots moved
+        for row in changed.tolist():
+            assert row == [layer == 1 and h == 0 for h in range(len(row))]
+    one = work.extract_row(2)
+    assert not torch.allclose(_logits(model, one, probe), _logits(model, uniform, probe))
+    with torch.no_grad():
+        swapped = facts_nll(model, work, facts)
+        assert abs(swapped - each(one)) < 1e-4 and abs(swapped - each(uniform)) > 1e-4
 
 
 def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
