@@ -116,16 +116,11 @@ def from_schedule(shares: list[list[float]], target: int, region: int) -> list[l
         raise ValueError("a budget schedule's shares must be finite and >= 0")
     low, high = bounds(target, region, SCHEDULE_MOST)
     total = target * len(flat)
-    if float(flat.sum()) <= 0:  # no head has a share: evenly
-        flat = torch.ones_like(flat)
     exact = _proportional(flat, float(total), low, high)  # [heads], each in [low, high]
-    whole = (exact + 1e-9).floor().long().clamp(low, high)
-    rest = total - int(whole.sum())  # |rest| < heads (< 0 only by the bisection's last bit)
-    fraction = exact - whole
-    if rest > 0:
-        whole[fraction.masked_fill(whole >= high, -2.0).argsort(descending=True)[:rest]] += 1
-    elif rest < 0:
-        whole[fraction.masked_fill(whole <= low, 2.0).argsort()[:-rest]] -= 1
+    whole = (exact + 1e-9).floor().long()
+    rest = total - int(whole.sum())  # 0 <= rest < heads: exact sums to the total or just over
+    fraction = (exact - whole).masked_fill(whole >= high, -1.0)
+    whole[fraction.argsort(descending=True)[:rest]] += 1
     heads = len(shares[0])
     out = whole.tolist()
     return [out[i : i + heads] for i in range(0, len(out), heads)]
