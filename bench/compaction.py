@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from engine.compaction_budgets import load_schedule
 from engine.kv_compaction import compact_row, default_key_queries, reference_queries
@@ -193,7 +194,13 @@ def answer_nll(model, cache: KVCache | None, prompt: list[int], answer: list[int
     else:
         cache.ensure_capacity(cache.lengths[0] + ids.shape[1])
         hidden = model(ids, cache=cache, commit=False)
-    logits = model.logits(hidden[0, len(prompt) - 1 : -1]).float()
+    return answer_loss(model, hidden[0], len(prompt), answer)
+
+
+def answer_loss(model, hidden: Tensor, prompt: int, answer: list[int]) -> float:
+    """Mean NLL of `answer` from the hidden states [n >= prompt + len(answer), hidden] of
+    a prompt of `prompt` tokens followed by it."""
+    logits = model.logits(hidden[prompt - 1 : prompt + len(answer) - 1]).float()
     return float(
         torch.nn.functional.cross_entropy(logits, torch.tensor(answer, device=model.device))
     )

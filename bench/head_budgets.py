@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.compaction import QUERY_SOURCE, make_context, save_json
+from bench.compaction import QUERY_SOURCE, answer_loss, make_context, save_json
 from engine.compaction_budgets import SCHEDULE_MOST, schedule_name
 from engine.kv_compaction import compact_row, reference_queries
 from models.kv_cache import KVCache
@@ -210,12 +210,9 @@ def facts_nll(model, cache: KVCache, facts: list[tuple[list[int], list[int]]]) -
     ids = torch.tensor([x + [x[-1]] * (width - len(x)) for x in seqs], device=model.device)
     cache.ensure_capacity(cache.lengths[0] + width)
     hidden = model(ids, cache=cache, commit=False)  # [pairs, width, hidden]
-    losses = []
-    for i, (q, a) in enumerate(facts):
-        logits = model.logits(hidden[i, len(q) - 1 : len(q) + len(a) - 1]).float()
-        target = torch.tensor(a, device=model.device)
-        losses.append(float(torch.nn.functional.cross_entropy(logits, target)))
-    return statistics.mean(losses)
+    return statistics.mean(
+        answer_loss(model, hidden[i], len(q), a) for i, (q, a) in enumerate(facts)
+    )
 
 
 def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: int) -> dict:
