@@ -10,7 +10,8 @@ The text is Jane Austen (or `--text`, as bench.compaction takes it) of `--tokens
 `--facts` synthetic facts spread through it. Each run starts from an empty cache and appends
 the text `--chunk` tokens at a time; after each append, a policy run compacts as the policy
 says (whenever the cache is past `--max-tokens` physical slots: the part before the last
-`--keep-recent` slots, `--ratio`x, with the run's method, `+int8` for int8 codes), so early
+`--keep-recent` slots, `--ratio`x, with the run's method, `+int8` for int8 codes, `+attn` or
+`+measured` for its budgets as in bench.compaction), so early
 facts go through many compactions. Then every run answers the facts' questions (and their
 paraphrases) from its final cache: the fraction of the full cache's benefit kept, as in
 bench.compaction, the physical size it ended at and the largest it reached, its bytes, and
@@ -29,6 +30,8 @@ import torch
 
 from bench.compaction import (
     Probe,
+    _parts,
+    _schedule,
     _text,
     kept,
     make_context,
@@ -46,11 +49,20 @@ from models.sources import DEFAULT_AR_MODEL, resolve
 def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
     """Append `ids` chunk by chunk, compacting by the policy after each (no compaction for
     method None). Returns the final cache and what happened on the way."""
-    policy = None
-    quantize = None
+    policy, schedule = None, None
     if method is not None:
-        name, _, quantize = method.partition("+")
-        policy = AutoCompact(args.max_tokens, args.ratio, name, args.keep_recent)
+        # METHOD[+int8][+attn|+measured], as bench.compaction's flags; the policy's own query
+        # source and key queries (None), as a session created with it would compact.
+        spec = _parts(method)
+        policy = AutoCompact(
+            args.max_tokens,
+            args.ratio,
+            spec.name,
+            args.keep_recent,
+            quantize=spec.quantize,
+            budgets=spec.budgets,
+        )
+        schedule = _schedule(model, args) if spec.budgets == "measured" else None
     cache = model.new_cache(1, args.max_tokens + 2 * args.chunk)
     largest, seconds, reports = 0, 0.0, []
     with torch.no_grad():
@@ -75,8 +87,11 @@ def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
                 policy.method,
                 policy.query_source,
                 policy.keep_recent,
-                quantize=quantize or None,
+                quantize=policy.quantize,
+                budgets=policy.budgets,
+                schedule=schedule,
                 segment_slots=reports[-1].segment_slots if reports else None,
+                longest=policy.longest(target),
             )
             seconds += report.seconds["total"]
             reports.append(report)

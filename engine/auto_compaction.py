@@ -66,6 +66,14 @@ class AutoCompact:
         target = max(1, math.ceil(region / self.ratio))
         return target if target < region else None
 
+    def longest(self, target: int) -> int:
+        """The most slots one KV head may keep when non-uniform budgets split `target` per
+        head: half the room above the kept recent slots (never under `target`). The row is
+        as long as its longest head, so without it a head may keep its whole region (8t, a
+        measured schedule's most, is all of it below 8x) and the row would never shrink:
+        every append past max_tokens would compact again, and the row grow without end."""
+        return max(target, (self.max_tokens - self.keep_recent) // 2)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -46,10 +46,16 @@ ALLOCATION_QUERIES = 512  # per KV head: enough to rank its keys, a quarter of a
 SCHEDULES = Path(__file__).parent / "budget_schedules"  # measured schedules, one per model
 
 
-def bounds(target: int, region: int, most: float = 2) -> tuple[int, int]:
+def bounds(
+    target: int, region: int, most: float = 2, longest: int | None = None
+) -> tuple[int, int]:
     """The fewest and most slots one head may get when the average is `target`: t / 4 and
-    `most` x t (2 by attention, SCHEDULE_MOST by a measured schedule)."""
-    return max(1, target // 4), min(region, int(most * target))
+    `most` x t (2 by attention, SCHEDULE_MOST by a measured schedule), the latter at most
+    `longest` where given (but never under t: the average must stay reachable)."""
+    high = min(region, int(most * target))
+    if longest is not None:
+        high = max(target, min(high, longest))
+    return max(1, target // 4), high
 
 
 def allocate(
@@ -60,10 +66,11 @@ def allocate(
     target: int,
     queries: list[Tensor],
     generator: torch.Generator,
+    longest: int | None = None,
 ) -> list[list[int]]:
     """Per layer, per KV head, the slots it gets (summing to layers x heads x target), from
-    every layer's reference queries [H, n, D]."""
-    low, high = bounds(target, region)
+    every layer's reference queries [H, n, D]; none more than `longest` where given."""
+    low, high = bounds(target, region, longest=longest)
     shares: list[Tensor] = []  # per (layer, head): the sorted shares of its ranks
     group = cfg.num_heads // cfg.num_kv_heads
     for layer, q in enumerate(queries):
@@ -104,17 +111,20 @@ def _by_shares(
     return [flat[i : i + heads] for i in range(0, len(flat), heads)]
 
 
-def from_schedule(shares: list[list[float]], target: int, region: int) -> list[list[int]]:
+def from_schedule(
+    shares: list[list[float]], target: int, region: int, longest: int | None = None
+) -> list[list[int]]:
     """Per layer, per KV head, its slots: in proportion to a measured schedule's shares, each
     within `bounds` (t / 4 to SCHEDULE_MOST x t; what a bound takes or leaves goes to the
     others, in proportion), the total (layers x heads x target) exactly, the rounding
     remainders to the largest fractions. At the ratio it was measured at, a schedule that
     `bench.head_budgets` solved within those bounds gives back its slots exactly; at another
-    ratio, every head's slots scale with the total."""
+    ratio, every head's slots scale with the total. `longest`: a cap on any one head (an
+    auto-compaction's room, `engine.auto_compaction.AutoCompact.longest`)."""
     flat = torch.tensor([x for layer in shares for x in layer], dtype=torch.float64)
     if len(flat) == 0 or bool((flat < 0).any()) or not bool(flat.isfinite().all()):
         raise ValueError("a budget schedule's shares must be finite and >= 0")
-    low, high = bounds(target, region, SCHEDULE_MOST)
+    low, high = bounds(target, region, SCHEDULE_MOST, longest)
     total = target * len(flat)
     exact = _proportional(flat, float(total), low, high)  # [heads], each in [low, high]
     whole = (exact + 1e-9).floor().long()

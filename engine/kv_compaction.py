@@ -425,6 +425,7 @@ def compact_row(
     schedule: list[list[float]] | None = None,
     key_queries: str | None = None,
     segment_slots: int | None = None,
+    longest: int | None = None,
 ) -> CompactionReport:
     """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
 
@@ -444,7 +445,8 @@ def compact_row(
     measured attention (`engine.compaction_budgets`; not with on-policy queries, which are
     fitted layer by layer); `budgets="measured"` splits it by the model's measured
     `schedule` (per layer, per KV head, its share: `compaction_budgets.load_schedule`). The
-    segment is then as long as its longest head, the others' extra slots masked.
+    segment is then as long as its longest head, the others' extra slots masked; `longest`
+    caps that head (an auto-compaction's, `AutoCompact.longest`, so that its row shrinks).
     `key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES; by default
     `default_key_queries`): "context" takes `context_key_queries`, max_queries / group of
     them (each KV head ranks by its group's queries at those positions). `segment_slots`: on
@@ -494,7 +496,7 @@ def compact_row(
     if budgets == "measured":
         if schedule is None:
             raise ValueError("this model has no measured budget schedule (budgets)")
-        fit.head_targets = compaction_budgets.from_schedule(schedule, target, region)
+        fit.head_targets = compaction_budgets.from_schedule(schedule, target, region, longest)
     engine = _Engine(on_engine, urgent or _urgency(on_engine))
     # Per layer, the context queries and their positions that rank the keys, where any do.
     ranking: Iterator[tuple[Tensor, Tensor] | None] = itertools.repeat(None)
@@ -525,7 +527,7 @@ def compact_row(
             queries = list(queries)  # every layer's, before any fit
             fit.head_targets = on_fit(
                 lambda: compaction_budgets.allocate(
-                    model.config, cache, row, region, target, queries, fit.generator
+                    model.config, cache, row, region, target, queries, fit.generator, longest
                 )
             )
         for layer, q in enumerate(queries):

@@ -181,6 +181,7 @@ async def auto_compact(state: ServerState, served: ServedModel, session: Session
             policy.budgets,
             policy.key_queries,
             auto=True,
+            longest=policy.longest(target),
         )
     await spill(state.sessions)
     return body
@@ -234,6 +235,7 @@ async def _run(
     budgets: str,
     key_queries: str | None,
     auto: bool = False,
+    longest: int | None = None,
 ) -> dict:
     """Compact the locked session's loaded cache to `target` slots (plus the kept recent
     ones), commit it, and record it; the report."""
@@ -259,6 +261,7 @@ async def _run(
             schedule=served.budget_schedule,
             key_queries=key_queries,
             segment_slots=_segment_slots(session),
+            longest=longest,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -194,3 +194,37 @@ def test_measured_budgets_without_a_schedule_are_refused_and_keep_the_session(
     after = httpx.get(f"{url}/v1/sessions/nosched").json()
     assert after["physical_tokens"] == before["physical_tokens"] and after["compactions"] == []
     httpx.delete(f"{url}/v1/sessions/nosched")
+
+
+def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
+    tiny_llama_dir, monkeypatch
+):
+    """A measured schedule may give one head 8t, all of a region below 8x: the row (as long
+    as its longest head) would never shrink, and every append would compact again.
+    `AutoCompact.longest` caps that head at half the room, so the bound holds."""
+    import argparse
+
+    import bench.online_compaction as online
+    import tiny_models
+    from engine.compaction_budgets import bounds, from_schedule
+    from models.loading import load_model
+
+    model, _ = load_model(tiny_llama_dir)
+    cfg = model.config
+    shares = [[1.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)]
+    shares[0][0] = 100.0  # one head would take all it may
+    monkeypatch.setattr(online, "_schedule", lambda model, args: shares)
+    args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32)
+    policy = AutoCompact(96, 4, keep_recent=16, budgets="measured")
+    target = policy.target(128)  # the first compaction's: 112 slots to 28
+    # Uncapped, that head takes all the others leave (4 heads x 28 - 3 x 7): with the 16
+    # recent slots the row stays over 96, compacted again after every append.
+    assert max(map(max, from_schedule(shares, target, 112))) == 91
+    assert max(map(max, from_schedule(shares, target, 112, policy.longest(target)))) == 40
+    assert bounds(target, 112, 8, longest=10) == (7, target)  # never under the average
+    ids = [i % 200 for i in range(400)]
+    run = online.feed(model, tiny_models.byte_tokenizer(), ids, args, "am-highest-fast+measured")
+    assert run["largest"] <= args.max_tokens + args.chunk
+    assert run["cache"].lengths[0] <= args.max_tokens and run["cache"].logical == [400]
+    # Each compaction left room for at least one chunk: 400 tokens took fewer than one each.
+    assert 3 <= run["compactions"] < len(ids) // args.chunk - 2
