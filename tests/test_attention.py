@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models
+from cpu_features import skip_unless
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import new_capture
@@ -458,10 +459,11 @@ def test_cached_tokens_read_again_get_the_queries_and_states_they_had_at_prefill
         next(model.forward_stages(ids[:, :2], reread=slots[:2]))
 
 
-def _bf16_kernels() -> bool:
+@pytest.fixture
+def bf16_kernels() -> None:
     from models import kernels
 
-    return kernels.cpu_has_bf16_dot()
+    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused attention kernel")
 
 
 def _softmax_reference(q, k, v, bias, visible) -> torch.Tensor:
@@ -474,7 +476,7 @@ def _softmax_reference(q, k, v, bias, visible) -> torch.Tensor:
     return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ vf
 
 
-@pytest.mark.skipif(not _bf16_kernels(), reason="no AVX512-BF16 here")
+@pytest.mark.usefixtures("bf16_kernels")
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_the_packed_attention_kernel_equals_the_softmax_over_what_each_row_sees(head_dim):
     """The fused kernel (`flash_continuation.packed_rows` / `packed_reread`) over a cache
@@ -537,7 +539,7 @@ def test_the_packed_attention_kernel_equals_the_softmax_over_what_each_row_sees(
     assert (banded.float() - plain.float()).abs().max() > 0.05  # the band hides keys
 
 
-@pytest.mark.skipif(not _bf16_kernels(), reason="no AVX512-BF16 here")
+@pytest.mark.usefixtures("bf16_kernels")
 def test_a_repeat_pass_through_the_packed_kernel_gives_the_flash_parts_queries(
     tmp_path, monkeypatch
 ):

@@ -6,17 +6,16 @@ import pytest
 import torch
 
 import tiny_models
+from cpu_features import skip_unless
 from models import kernels
 from models.loading import load_model
 
-pytestmark = pytest.mark.skipif(
-    not kernels.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16"
-)
 BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
+    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused CPU kernels")
     assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
 
 
@@ -51,8 +50,8 @@ def test_linear(rows, n, k):
 def amx(request):
     """Each packed-linear test on AVX512 and, where this CPU and OS allow it, on AMX tiles."""
     active = kernels.use_amx(request.param)
-    if request.param and not active:
-        pytest.skip("no AMX-BF16 here (CPU, kernel or compiler)")
+    if request.param:
+        skip_unless("amx-bf16", active, "the AMX tile matmuls")
     yield active
     kernels.use_amx(True)  # the default
 
@@ -245,8 +244,9 @@ def stack_kind(request, model, monkeypatch):
     """The model's decode stack rebuilt on each matmul path: weights as they are (row kernel,
     CDLM_SERVE_PACKED=0), packed on AVX512, packed on AMX tiles (where available)."""
     monkeypatch.setenv("CDLM_SERVE_PACKED", "0" if request.param == "rows" else "1")
-    if kernels.use_amx(request.param == "packed-amx") != (request.param == "packed-amx"):
-        pytest.skip("no AMX-BF16 here (CPU, kernel or compiler)")
+    amx = request.param == "packed-amx"
+    if kernels.use_amx(amx) != amx:
+        skip_unless("amx-bf16", False, "the AMX tile matmuls")
     model._decode_stack = None  # rebuilt by the next step, on this path
     yield request.param
     kernels.use_amx(True)
