@@ -1,7 +1,8 @@
 """Our diffusion models and decoders against the public reference code (LLaDA's generate.py,
 Dream's generation_utils.py, Fast-dLLM's llada/generate.py), through golden outputs the
-reference code produced on the same tiny checkpoints: tests/fixtures/dlm_reference/README.md
-says how. Answers are compared token for token, and step counts exactly."""
+reference code produced on the same tiny checkpoints (tests/fixtures/dlm_reference/
+make_fixtures.py regenerates them; its README says how and what the cases are). Answers are
+compared token for token, and step counts exactly."""
 
 from __future__ import annotations
 
@@ -21,36 +22,46 @@ from models.loading import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dlm_reference"
 GOLDEN = json.loads((FIXTURES / "cases.json").read_text())
-MAKERS = {"dream": (tiny_models.dream_tiny, 1), "llada": (tiny_models.llada_tiny, 2)}
+# The checkpoints the golden outputs were made on (make_fixtures.py CHECKPOINTS): two nearly
+# uniform ones, and two "peaked" ones whose confident, varied predictions make a wrong decoder
+# choose differently.
+MAKERS = {
+    "dream": (tiny_models.dream_tiny, 1),
+    "llada": (tiny_models.llada_tiny, 2),
+    "dream_peaked": (tiny_models.dream_peaked, 3),
+    "llada_peaked": (tiny_models.llada_peaked, 4),
+}
+CASES = GOLDEN["cases"]
+# How near a tie a case's decisions may come (make_fixtures.py MIN_GAP*): far above what our
+# fp32 logits' difference from the reference's can move a confidence.
+MIN_GAP = {"dream": 1e-6, "llada": 1e-6, "dream_peaked": 1e-4, "llada_peaked": 1e-4}
 
 
 def _family(case: dict) -> str:
-    return "dream" if case["name"].startswith("dream") else "llada"
-
-
-CASES = GOLDEN["cases"]
+    return GOLDEN["checkpoints"][case["checkpoint"]]["family"]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
+    assert set(MAKERS) == set(GOLDEN["checkpoints"])
     out = {}
-    for family, (make, seed) in MAKERS.items():
-        folder = tmp_path_factory.mktemp(family)
+    for name, (make, seed) in MAKERS.items():
+        folder = tmp_path_factory.mktemp(name)
         make(folder, seed=seed)
         digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
         # The golden outputs belong to these exact weights: a changed tiny model is a stale
         # fixture, not a decoder bug.
-        assert digest == GOLDEN["checkpoints"][family]["model.safetensors_sha256"]
-        out[family] = folder
+        assert digest == GOLDEN["checkpoints"][name]["model.safetensors_sha256"]
+        out[name] = folder
     return out
 
 
 @pytest.fixture(scope="module")
 def engines(folders) -> dict[str, DLMEngine]:
     out = {}
-    for family, folder in folders.items():
+    for name, folder in folders.items():
         model, _ = load_model(folder)
-        out[family] = DLMEngine(model, tiny_models.byte_tokenizer(), 512, max_batch=64)
+        out[name] = DLMEngine(model, tiny_models.byte_tokenizer(), 512, max_batch=64)
     return out
 
 
@@ -79,7 +90,7 @@ def _params(case: dict) -> DLMParams:
             steps=call["steps"],
             confidence=DREAM_ALGS[call["alg"]],
             alg_temp=call.get("alg_temp") or 0.0,
-            seed=0 if call["alg"] == "origin" else None,  # the reference ran manual_seed(0)
+            seed=case.get("seed"),  # origin: the reference ran torch.manual_seed(seed)
             ignore_eos=True,  # the references never stop at end-of-text
         )
     scheduled = call.get("threshold") is None
@@ -91,7 +102,7 @@ def _params(case: dict) -> DLMParams:
         threshold=call.get("threshold") or 0.0,
         steps=call["steps"] if scheduled else None,
         confidence=LLADA_REMASKING[call["remasking"]],
-        seed=0 if call["remasking"] == "random" else None,  # the reference ran manual_seed(0)
+        seed=case.get("seed"),  # random: the reference ran torch.manual_seed(seed)
         ignore_eos=True,
     )
 
@@ -122,10 +133,25 @@ def _run_all(engine: DLMEngine, cases: list[dict]) -> dict[str, tuple[list[int],
     return {name: (answers[name], steps[name]) for name in seqs}
 
 
-@pytest.mark.parametrize("family", ["dream", "llada"])
-def test_forward_matches_reference_logits(engines, family):
-    golden = load_file(FIXTURES / f"logits_{family}.safetensors")
-    model = engines[family].model
+def test_cases_are_decisive():
+    """Every case decides something no fp32 rounding can flip, and the peaked checkpoints'
+    cases include uneven LLaDA schedules and forwards that finalize several tokens by
+    threshold (what the nearly uniform checkpoints could not show)."""
+    for case in CASES:
+        gap = case["min_gap"]
+        assert gap is None or gap >= MIN_GAP[case["checkpoint"]], case["name"]
+    peaked = [c for c in CASES if c["checkpoint"].endswith("_peaked")]
+    assert any(c["unmasked_per_forward"][:3] == [3, 3, 2] for c in peaked)
+    several = [
+        c for c in peaked if c["call"].get("threshold") and max(c["unmasked_per_forward"]) > 1
+    ]
+    assert {c["checkpoint"] for c in several} == {"dream_peaked", "llada_peaked"}
+
+
+@pytest.mark.parametrize("checkpoint", list(MAKERS))
+def test_forward_matches_reference_logits(engines, checkpoint):
+    golden = load_file(FIXTURES / f"logits_{checkpoint}.safetensors")
+    model = engines[checkpoint].model
     with torch.inference_mode():
         hidden = model(golden["input_ids"][None], pattern=AttentionPattern.bidirectional())
         ours = model.logits(hidden)[0].float()  # unshifted, as the reference model returns
@@ -134,15 +160,15 @@ def test_forward_matches_reference_logits(engines, family):
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_decoder_reproduces_reference_alone(engines, case):
-    engine = engines[_family(case)]
+    engine = engines[case["checkpoint"]]
     outs = list(engine.generate(case["prompt_ids"], _params(case)))
     assert [t for o in outs for t in o.token_ids] == case["answer_ids"]
     assert outs[-1].steps == _reference_steps(case)
 
 
-@pytest.mark.parametrize("family", ["dream", "llada"])
-def test_decoders_reproduce_reference_in_one_mixed_batch(engines, family):
-    cases = [c for c in CASES if _family(c) == family]
-    got = _run_all(engines[family], cases)
+@pytest.mark.parametrize("checkpoint", list(MAKERS))
+def test_decoders_reproduce_reference_in_one_mixed_batch(engines, checkpoint):
+    cases = [c for c in CASES if c["checkpoint"] == checkpoint]
+    got = _run_all(engines[checkpoint], cases)
     wrong = [c["name"] for c in cases if got[c["name"]] != (c["answer_ids"], _reference_steps(c))]
     assert not wrong

@@ -100,8 +100,33 @@ TINY_DIMS = {
 }
 
 
+# Scales that make a random tiny model decisive, as a trained one is: the top probability of a
+# position spreads over ~0.1-0.99 (instead of ~0.02 over 300 tokens), and sharper attention makes
+# the prediction depend on the position and the prompt (instead of copying one token).
+PEAKED_SCALES = {"lm_head.weight": 6.0, "self_attn.": 3.0}
+
+
+def _peaked(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical weights with `PEAKED_SCALES` applied (every attention projection and bias)."""
+    out = {}
+    for name, t in sd.items():
+        scale = next((s for key, s in PEAKED_SCALES.items() if key in name), 1.0)
+        out[name] = t * scale if scale != 1.0 else t
+    return out
+
+
 def dream_tiny(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
     """A tiny checkpoint in Dream's release format; returns its (canonical) weights."""
+    return _dream(folder, seed, peaked=False)
+
+
+def dream_peaked(folder: Path, seed: int = 3) -> dict[str, torch.Tensor]:
+    """`dream_tiny` with `PEAKED_SCALES`: confident, varied predictions (for tests whose
+    decisions must not hinge on near-ties, e.g. against the reference decoders)."""
+    return _dream(folder, seed, peaked=True)
+
+
+def _dream(folder: Path, seed: int, peaked: bool) -> dict[str, torch.Tensor]:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["DreamModel"],
@@ -123,6 +148,8 @@ def dream_tiny(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
         "torch_dtype": "float32",
     }
     sd = _random_llama_layout(cfg, qkv_bias=True, seed=seed)
+    if peaked:
+        sd = _peaked(sd)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     byte_tokenizer().save_pretrained(folder)
@@ -132,6 +159,15 @@ def dream_tiny(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
 def llada_tiny(folder: Path, seed: int = 2) -> dict[str, torch.Tensor]:
     """A tiny checkpoint in LLaDA's release format (its own weight names); returns the
     weights under canonical names."""
+    return _llada(folder, seed, peaked=False)
+
+
+def llada_peaked(folder: Path, seed: int = 4) -> dict[str, torch.Tensor]:
+    """`llada_tiny` with `PEAKED_SCALES` (see `dream_peaked`)."""
+    return _llada(folder, seed, peaked=True)
+
+
+def _llada(folder: Path, seed: int, peaked: bool) -> dict[str, torch.Tensor]:
     from models.weights import canonical_to_llada
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -167,6 +203,8 @@ def llada_tiny(folder: Path, seed: int = 2) -> dict[str, torch.Tensor]:
         "num_key_value_heads": TINY_DIMS["num_attention_heads"],
     }
     canonical = _random_llama_layout(hf_view, qkv_bias=False, seed=seed)
+    if peaked:
+        canonical = _peaked(canonical)
     save_file(
         canonical_to_llada(canonical), str(folder / "model.safetensors"), metadata={"format": "pt"}
     )
