@@ -1,17 +1,26 @@
 """Online compaction (engine/auto_compaction.py): a session created with a policy compacts
-itself exactly when an append takes it past the policy's size, between requests, and answers
-afterwards. Real server, tiny model."""
+itself exactly when an append takes it past the policy's size, between requests, and exactly as
+the same compaction requested by hand would (a twin session, fed the same tokens without a
+policy and compacted by `/compact` with the policy's method, ratio and keep_recent wherever the
+first compacted itself, answers every append with the same tokens and logprobs, and its
+compaction reports match). Real server, tiny model."""
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from torch.testing import assert_close as close
 
 from conftest import tiny_session_server
+from engine import session_files
 from engine.auto_compaction import AutoCompact
+
+CPU = torch.device("cpu")
 
 POLICY = {"max_tokens": 160, "ratio": 4, "method": "am-highest-fast", "keep_recent": 16}
 TEXT = "The code name of the blue box is Orchid-417. "  # 45 bytes: 45 tokens
@@ -45,12 +54,61 @@ def _append(base: str, sid: str, prompt: str) -> dict:
     return r.json()
 
 
+# What a compaction report holds besides its timings and who asked for it: all of it the same
+# for the same compaction of the same cache (the fit's error up to float noise).
+TIMING = {"seconds", "engine_jobs", "engine_seconds_max", "fallback", "auto"}
+
+
+def _same_answer(auto: dict, by_hand: dict) -> None:
+    """The same greedy tokens from both (the tiny model's greedy text barely depends on its
+    context: `_same_cache` is what tells two caches apart)."""
+    (a,), (b,) = auto["choices"], by_hand["choices"]
+    assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
+
+
+def _same_cache(sessions: Path, auto: str, by_hand: str) -> None:
+    """The two sessions' committed caches (read from their folders): the same slots, keys,
+    values and biases (up to float noise)."""
+    caches = []
+    for sid in (auto, by_hand):
+        folder = sessions / sid
+        version = session_files.read_version(folder)
+        cache, codes = session_files.read_cache(folder, version, CPU, torch.float32)
+        assert cache is not None and codes is None
+        caches.append(cache)
+    a, b = caches
+    assert (a.lengths, a.logical) == (b.lengths, b.logical)
+    (n,) = a.lengths
+    assert (a.biases is None) == (b.biases is None)
+    for layer, (ka, kb, va, vb) in enumerate(zip(a.keys, b.keys, a.values, b.values, strict=True)):
+        close(ka[:, :, :n], kb[:, :, :n], atol=1e-5, rtol=1e-4, msg=f"keys {layer}")
+        close(va[:, :, :n], vb[:, :, :n], atol=1e-5, rtol=1e-4, msg=f"values {layer}")
+        if a.biases is not None:
+            ba, bb = a.biases[layer], b.biases[layer]
+            close(ba[..., :n], bb[..., :n], atol=1e-5, rtol=1e-4, msg=f"biases {layer}")
+
+
+def _same_compaction(auto: dict, by_hand: dict) -> None:
+    assert auto["auto"] is True and by_hand["auto"] is False
+    exact = TIMING | {"output_error"}
+    assert {k: v for k, v in auto.items() if k not in exact} == {
+        k: v for k, v in by_hand.items() if k not in exact
+    }
+    assert auto["output_error"] == pytest.approx(by_hand["output_error"], rel=1e-3, abs=1e-5)
+
+
 def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, tmp_path):
     policy = AutoCompact(**POLICY)
+    by_hand = {k: POLICY[k] for k in ("method", "ratio", "keep_recent")}
     with tiny_session_server(tiny_llama_dir, tmp_path) as url:
         r = httpx.post(
             f"{url}/v1/sessions",
             json={"model": "tiny", "id": "grow", "prompt": TEXT * 2, "auto_compact": POLICY},
+        )
+        assert r.status_code == 201, r.text
+        # Its twin: the same tokens, no policy; compacted by hand where "grow" compacts itself.
+        r = httpx.post(
+            f"{url}/v1/sessions", json={"model": "tiny", "id": "twin", "prompt": TEXT * 2}
         )
         assert r.status_code == 201, r.text
         info = _settled(url, "grow")
@@ -66,10 +124,15 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
             before = info["physical_tokens"]
             out = _append(url, "grow", TEXT)
             assert out["usage"]["completion_tokens"] == 8
+            _same_answer(out, _append(url, "twin", TEXT))
             info = _settled(url, "grow")
             grown = len(info["compactions"]) > seen
             if grown:  # one compaction, of the size the append produced, as the policy says
                 report = info["compactions"][-1]
+                # The same compaction, asked for by hand, of the twin's same cache.
+                r = httpx.post(f"{url}/v1/sessions/twin/compact", json=by_hand, timeout=120)
+                assert r.status_code == 200, r.text
+                _same_compaction(report, r.json()["session"]["compactions"][-1])
                 assert len(info["compactions"]) == seen + 1 and report["auto"] is True
                 assert report["tokens_before"] > POLICY["max_tokens"] >= before
                 target = policy.target(report["tokens_before"])
@@ -87,12 +150,25 @@ def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, 
             else:  # no compaction: the append left it within the policy
                 assert info["physical_tokens"] <= POLICY["max_tokens"], step
             assert info["logical_length"] == info["tokens"] - 1  # the last token not yet run
+            twin = httpx.get(f"{url}/v1/sessions/twin").json()
+            for key in ("tokens", "logical_length", "physical_tokens"):
+                assert twin[key] == info[key], (step, key)
+            assert len(twin["compactions"]) == seen
+            _same_cache(tmp_path, "grow", "twin")
         assert seen >= 2  # it grew past the bound, was brought back, and grew past it again
         assert info["logical_length"] > 2 * POLICY["max_tokens"]
-        # It answers afterwards, from its compacted cache.
-        answer = _append(url, "grow", "\nQ: What is the code name of the blue box?\nA:")
+        # It answers afterwards, from its compacted cache: as the twin compacted by hand does.
+        question = "\nQ: What is the code name of the blue box?\nA:"
+        answer = _append(url, "grow", question)
         assert answer["usage"]["completion_tokens"] == 8
-        seen = len(_settled(url, "grow")["compactions"])  # that append may have compacted too
+        _same_answer(answer, _append(url, "twin", question))
+        after = _settled(url, "grow")
+        if len(after["compactions"]) > seen:  # that append compacted it again: the twin too
+            r = httpx.post(f"{url}/v1/sessions/twin/compact", json=by_hand, timeout=120)
+            assert r.status_code == 200, r.text
+            _same_compaction(after["compactions"][-1], r.json()["session"]["compactions"][-1])
+        _same_cache(tmp_path, "grow", "twin")  # the answer's tokens, run on the same caches
+        seen = len(after["compactions"])
     # The policy is part of the session: it survives a restart.
     with tiny_session_server(tiny_llama_dir, tmp_path) as url:
         again = httpx.get(f"{url}/v1/sessions/grow").json()

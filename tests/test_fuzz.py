@@ -1,11 +1,14 @@
 """Fuzzing: session ids straight into the store, and malformed bodies (broken JSON, odd unicode,
 huge and non-finite numbers, wrong types) against every route of a real server. The server must
 answer every one with a 4xx in OpenAI's error shape (or a success), never a 5xx, and the store
-must never touch a path outside its root."""
+must never touch a path outside its root: every file beside the store, in the folder that holds
+it, is the same (content, size, mtime) afterwards, and nothing new appears there."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -28,8 +31,8 @@ ODD_TEXT = st.text(
 def test_store_ids(tmp_path_factory, sid):
     base = tmp_path_factory.mktemp("fuzz")
     root = base / "store"
-    marker = base / "outside.txt"
-    marker.write_text("x")
+    (base / "outside.txt").write_text("x")
+    before = _snapshot(base)
     store = SessionStore(root, 1 << 20)
     try:
         session = store.create("m", sid)
@@ -42,9 +45,8 @@ def test_store_ids(tmp_path_factory, sid):
             folder = store.folder(sid)
             assert folder.parent == root.resolve() and (folder / "meta.json").is_file()
             store.delete(session)
-    assert sorted(p.name for p in base.iterdir()) == ["outside.txt", "store"]
-    assert marker.read_text() == "x"
-    assert [p.name for p in root.iterdir()] == []
+    # Everything under the store's parent, recursively: only the (now empty) store is new.
+    assert _snapshot(base) == {**before, "store": ("dir",)}
 
 
 JSON_VALUES = st.recursive(
@@ -82,18 +84,24 @@ ROUTES = [
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("fuzz-sessions")
+    """The server, its store, and a snapshot of the store's parent (a folder of its own, with a
+    file beside the store) taken before the server started."""
+    base = tmp_path_factory.mktemp("fuzz-server")
+    store = base / "sessions"
+    (base / "beside.txt").write_text("x")
+    before = _snapshot(base)
     with running_server(
         "--model", f"tiny={tiny_llama_dir}", "--device", "cpu", "--dtype", "float32",
         "--max-model-len", "64", "--sessions-dir", str(store),
     ) as url:  # fmt: skip
-        httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "fz", "prompt": "a" * 20})
-        yield url, store
+        fz = {"model": "tiny", "id": "fz", "prompt": "a" * 20}
+        assert httpx.post(f"{url}/v1/sessions", json=fz, timeout=60).status_code == 201
+        yield url, store, before
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
 def test_malformed_bodies_never_crash_a_route(server, method, path):
-    url, store = server
+    url, store, before = server
     client = httpx.Client(base_url=url, timeout=60)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -106,9 +114,34 @@ def test_malformed_bodies_never_crash_a_route(server, method, path):
             assert isinstance(error["message"], str) and error["type"], r.text
 
     check()
-    assert all(_inside(store, p) for p in store.rglob("*"))
+    assert all(_inside(store, p) for p in store.rglob("*"))  # no link out of the store
+    # Outside the store, under its parent, everything is as it was before the server started.
+    assert _snapshot(store.parent, but=store) == {**before, "sessions": ("dir",)}
     assert httpx.get(f"{url}/health").status_code == 200
 
 
 def _inside(root: Path, path: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
+
+
+def _snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:
+    """Everything under `folder`, recursively (links not followed; what is inside `but` left
+    out), by relative path: a folder as ("dir",), a link with its target, a file with its
+    size, mtime and content hash."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        if but is not None and Path(dirpath) == but:
+            dirnames.clear()
+            filenames.clear()
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
+            elif path.is_dir():
+                out[rel] = ("dir",)
+            else:
+                stat = path.stat()
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                out[rel] = ("file", stat.st_size, stat.st_mtime_ns, digest)
+    return out

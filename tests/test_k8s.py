@@ -1,27 +1,157 @@
-"""deploy/k8s/ read as Kubernetes would: every object well formed, the references between them
-resolve, the pods run as the design asks (GPU, probes on /health that wait for model loading,
-non-root, read-only root), and the metric names given to the monitoring and the endpoint
-picker are ones the server exports."""
+"""deploy/k8s/ read as Kubernetes would: every object valid against its API's schema, strictly
+(an unknown field is an error, as with `kubectl apply --validate=strict`), the references
+between them resolve, the pods run as the design asks (GPU, probes on /health that wait for
+model loading, non-root, read-only root), and the metric names given to the monitoring and the
+endpoint picker are ones the server exports.
+
+The schemas: Kubernetes' own built-in kinds from `kubernetes-validate`'s copy of the OpenAPI
+schemas of one pinned release (`K8S_VERSION`); the Prometheus operator's ServiceMonitor and
+PrometheusRule from its CRDs' schemas as `cloudcoil-models-prometheus-operator` carries them
+(pydantic models generated from the CRDs, read back as JSON Schema and made strict about
+unknown fields, as the API server is with strict field validation). The Gateway API Inference
+Extension's InferencePool has no schema obtainable offline (no PyPI or Debian package ships
+its CRD): that kind is checked only for the keys these tests read."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate
+import pytest
 import yaml
 
 from server.metrics import PREFIX, Metrics
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S_VERSION = "1.37"  # the Kubernetes release whose API the manifests are checked against
+# The kinds no schema is obtainable for (see the module's doc): no other may go unchecked.
+UNCHECKED = {("inference.networking.k8s.io/v1", "InferencePool")}
+
+
+def _documents() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert isinstance(doc, dict), path
+            assert {"apiVersion", "kind", "metadata"} <= set(doc), path
+            out.append((f"{path.name}: {doc['kind']}/{doc['metadata']['name']}", doc))
+    return out
 
 
 def _objects() -> dict[tuple[str, str], dict]:
+    return {(doc["kind"], doc["metadata"]["name"]): doc for _, doc in _documents()}
+
+
+def _strict(schema):
+    """A generated schema made strict: an object with declared properties takes no others.
+    Go's RE2 patterns are read as Python's (a leading `^(?i)` becomes `(?i)^`)."""
+    if isinstance(schema, dict):
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and pattern.startswith("^(?i)"):
+            schema["pattern"] = "(?i)^" + pattern.removeprefix("^(?i)")
+        for value in schema.values():
+            _strict(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _strict(value)
+    return schema
+
+
+@functools.cache
+def _crd_validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
+    from cloudcoil.models.prometheus_operator import v1 as monitoring
+
     out = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            assert {"apiVersion", "kind", "metadata"} <= set(doc), path
-            out[(doc["kind"], doc["metadata"]["name"])] = doc
+    for model in (monitoring.ServiceMonitor, monitoring.PrometheusRule):
+        schema = _strict(model.model_json_schema(by_alias=True))
+        jsonschema.Draft202012Validator.check_schema(schema)
+        key = ("monitoring.coreos.com/v1", model.__name__)
+        out[key] = jsonschema.Draft202012Validator(
+            schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+        )
     return out
+
+
+def _schema_errors(doc: dict) -> list[str] | None:
+    """What the object's schema says is wrong with it (nothing: []); None for a kind no schema
+    is obtainable for."""
+    key = (doc["apiVersion"], doc["kind"])
+    if key in _crd_validators():
+        errors = _crd_validators()[key].iter_errors(doc)
+        return [f"{list(e.absolute_path)}: {e.message}" for e in errors]
+    try:
+        version = kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return None
+    except kubernetes_validate.ValidationError as e:
+        return [f"{list(e.absolute_path)}: {e.message}"]
+    assert version == K8S_VERSION  # the pinned release's schemas, not an older one's
+    return []
+
+
+def test_every_object_is_valid_against_its_api_schema():
+    errors, unchecked = {}, set()
+    for name, doc in _documents():
+        found = _schema_errors(doc)
+        if found is None:
+            unchecked.add((doc["apiVersion"], doc["kind"]))
+        elif found:
+            errors[name] = found
+    assert not errors, errors
+    assert unchecked == UNCHECKED
+
+
+def _container(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+# Objects of the manifests with one mistake each (a misspelled field, a wrong type, a value
+# out of its pattern, a required field left out), in built-in kinds and in the operator's.
+MUTANTS = {
+    "misspelled imagePullPolicy": (
+        ("Deployment", "cdlm-serve"),
+        lambda d: _container(d).update(imagePullPolicyy="IfNotPresent"),
+    ),
+    "containerPort as a string": (
+        ("Deployment", "cdlm-serve"),
+        lambda d: _container(d)["ports"][0].update(containerPort="8000"),
+    ),
+    "misspelled Service field": (
+        ("Service", "cdlm-serve"),
+        lambda d: d["spec"].update(selectors=d["spec"]["selector"]),
+    ),
+    "misspelled ServiceMonitor endpoint field": (
+        ("ServiceMonitor", "cdlm-serve"),
+        lambda d: d["spec"]["endpoints"][0].update(intervall="15s"),
+    ),
+    "ServiceMonitor interval not a duration": (
+        ("ServiceMonitor", "cdlm-serve"),
+        lambda d: d["spec"]["endpoints"][0].update(interval="15 seconds"),
+    ),
+    "PrometheusRule rule without its expr": (
+        ("PrometheusRule", "cdlm-serve"),
+        lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr"),
+    ),
+    "misspelled PrometheusRule rule field": (
+        ("PrometheusRule", "cdlm-serve"),
+        lambda d: d["spec"]["groups"][-1]["rules"][-1].update(annotation={"summary": "x"}),
+    ),
+}
+
+
+@pytest.mark.parametrize("what", MUTANTS)
+def test_the_schema_check_refuses_a_broken_object(what):
+    key, change = MUTANTS[what]
+    doc = copy.deepcopy(_objects()[key])
+    assert _schema_errors(doc) == []
+    change(doc)
+    assert _schema_errors(doc), what
 
 
 def _exported() -> set[str]:

@@ -95,13 +95,15 @@ def busy_server(tmp_path_factory, tiny_llama_dir):
     ) as url:
         post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=120)  # noqa: E731
         for _ in range(3):
-            assert post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 8})
+            plain = {"model": "tiny", "prompt": "hi", "max_tokens": 8}
+            assert post("/v1/completions", plain).status_code == 200
         stream = {"model": "tiny", "prompt": "a", "max_tokens": 8, "stream": True}
         assert post("/v1/completions", stream).status_code == 200
         dlm = {"model": "dlm", "prompt": "x", "max_tokens": 16, "block_size": 8}
         assert post("/v1/completions", dlm).status_code == 200
         context = "The quick brown fox jumps over the lazy dog. " * 6
-        assert post("/v1/sessions", {"model": "tiny", "id": "s", "prompt": context}).is_success
+        session = {"model": "tiny", "id": "s", "prompt": context}
+        assert post("/v1/sessions", session).status_code == 201
         assert post("/v1/sessions/s/compact", {"ratio": 2}).status_code == 200
         assert post("/v1/completions", {"model": "nope", "prompt": "a"}).status_code == 404
         yield url
@@ -125,13 +127,18 @@ def test_prometheus_answers_every_dashboard_and_alert_query(busy_server, tmp_pat
         while pending and time.monotonic() < deadline:
             for name, expr in list(pending.items()):
                 try:
-                    answer = httpx.get(api, params={"query": expr}, timeout=5).json()
+                    resp = httpx.get(api, params={"query": expr}, timeout=5)
                 except httpx.HTTPError:
                     break  # Prometheus still starting
+                if resp.status_code == 503:
+                    break  # listening, but its storage is not ready yet
+                answer = resp.json()
                 if answer.get("status") != "success":
-                    errors[name] = answer.get("error", "?")
-                elif answer["data"]["result"]:
-                    del pending[name]
+                    errors[name] = f"{resp.status_code}: {answer.get('error', '?')}"
+                else:
+                    assert resp.status_code == 200, (name, resp.status_code)
+                    if answer["data"]["result"]:
+                        del pending[name]
             time.sleep(1)
     assert not errors, errors
     assert not pending, f"no data for: {pending}"
