@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -145,22 +145,39 @@ def test_default_server_answers_with_the_openai_client(default_server):
     assert out.usage.model_extra["steps"] * 3 < out.usage.completion_tokens
 
 
-def _stream_stamps(base: str, until: threading.Event) -> list[float]:
-    """Greedy streams of SmolLM2 back to back until `until` is set: each chunk's arrival time."""
-    stamps: list[float] = []
+def _stream_gaps(
+    base: str, until: threading.Event | None = None, streams: int = 0
+) -> list[tuple[float, float]]:
+    """Greedy streams of SmolLM2 back to back, until `until` is set (or `streams` of them):
+    every wait the client sees, as (from, to) times: from sending a request to its first
+    token, and between two tokens of a stream."""
+    gaps: list[tuple[float, float]] = []
     body = {"model": SMOLLM2.name, "prompt": "Once upon a time", "max_tokens": 48}
     body |= {"temperature": 0, "ignore_eos": True, "stream": True}
-    while not until.is_set():
+    sent = 0
+    while not until.is_set() if until is not None else sent < streams:
+        sent += 1
+        last = time.perf_counter()
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
             assert r.status_code == 200
-            stamps += [time.perf_counter() for line in r.iter_lines() if line.startswith("data: {")]
-    return stamps
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter()
+                    gaps.append((last, now))
+                    last = now
+    return gaps
+
+
+def _p99(seconds: list[float]) -> float:
+    return sorted(seconds)[min(len(seconds) - 1, int(0.99 * len(seconds)))]
 
 
 def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(default_server):
     """A compaction works on the session's own cache, its fits on a thread of their own and
-    its model work in pieces between decode steps: a stream of the same model never waits
-    for the whole compaction (it did when the compaction was one job on the engine thread)."""
+    its model work in pieces between decode steps: a stream of the same model barely notices
+    it. Its waits for a token during the compaction are measured against its waits alone, in
+    the same test: p99 within 3x, and none over a second (a compaction run as one job on the
+    engine thread stalled the stream for all of it)."""
     base = default_server
     text = " ".join(PROMPTS[:2]) + " " + "It was a truth universally acknowledged. " * 160
     r = httpx.post(
@@ -185,15 +202,24 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
             window["end"] = time.perf_counter()
             done.set()
 
+    _stream_gaps(base, streams=1)  # warm: the first request of a fresh server pays for set-up
+    alone_gaps = _stream_gaps(base, streams=4)  # the same stream, no compaction running
     with ThreadPoolExecutor(2) as pool:
-        streams = pool.submit(_stream_stamps, base, done)
+        streams = pool.submit(_stream_gaps, base, done)
         time.sleep(1.0)  # the stream is running before the compaction starts
         pool.submit(compact).result()
-        stamps = streams.result()
+        gaps = streams.result()
     assert window["status"] == 200
     seconds = window["end"] - window["start"]
-    inside = [t for t in stamps if window["start"] < t < window["end"]]
-    gaps = [b - a for a, b in itertools.pairwise([window["start"], *inside, window["end"]])]
-    assert len(inside) >= 10, (len(inside), seconds)
-    assert max(gaps) < seconds / 3, (max(gaps), seconds)
+    during = [b - a for a, b in gaps if a < window["end"] and b > window["start"]]
+    base_gaps = [b - a for a, b in alone_gaps]
+    assert len(base_gaps) >= 4 * 40 and len(during) >= 10, (len(base_gaps), len(during), seconds)
+    print(
+        f"\nstream waits alone: p50 {statistics.median(base_gaps) * 1e3:.0f} ms, p99 "
+        f"{_p99(base_gaps) * 1e3:.0f} ms; during a {seconds:.1f} s compaction: p50 "
+        f"{statistics.median(during) * 1e3:.0f} ms, p99 {_p99(during) * 1e3:.0f} ms, "
+        f"max {max(during) * 1e3:.0f} ms"
+    )
+    assert _p99(during) <= 3 * _p99(base_gaps), (_p99(during), _p99(base_gaps))
+    assert max(during) <= 1.0, max(during)
     httpx.delete(f"{base}/v1/sessions/long").raise_for_status()
