@@ -80,12 +80,18 @@ def _same_cache(sessions: Path, auto: str, by_hand: str) -> None:
     assert (a.lengths, a.logical) == (b.lengths, b.logical)
     (n,) = a.lengths
     assert (a.biases is None) == (b.biases is None)
+    # Keys are kept slots: equal up to float noise. Values and biases are fitted (least squares,
+    # NNLS) on queries captured in pieces whose size follows the engine's load, so the two
+    # compactions add the same terms in other orders, and a fit moves ~1e3x its inputs'
+    # rounding: up to 7e-4 of values as large as 7.4 and 2.3e-4 in a bias here, under load.
+    # A different compaction (another target, method, context) moves them by whole percents.
     for layer, (ka, kb, va, vb) in enumerate(zip(a.keys, b.keys, a.values, b.values, strict=True)):
         close(ka[:, :, :n], kb[:, :, :n], atol=1e-5, rtol=1e-4, msg=f"keys {layer}")
-        close(va[:, :, :n], vb[:, :, :n], atol=1e-5, rtol=1e-4, msg=f"values {layer}")
+        scale = float(vb[:, :, :n].abs().max())
+        close(va[:, :, :n], vb[:, :, :n], atol=1e-3 * scale, rtol=0, msg=f"values {layer}")
         if a.biases is not None:
             ba, bb = a.biases[layer], b.biases[layer]
-            close(ba[..., :n], bb[..., :n], atol=1e-5, rtol=1e-4, msg=f"biases {layer}")
+            close(ba[..., :n], bb[..., :n], atol=2e-3, rtol=0, msg=f"biases {layer}")
 
 
 def _same_compaction(auto: dict, by_hand: dict) -> None:
