@@ -346,7 +346,9 @@ class Client(threading.Thread):
             if self.rng.random() < 0.5:
                 body["quantize"] = "int8"
             r = self.http.post(f"/v1/sessions/{sid}/compact", json=body)
-            if r.status_code == 400 and "too small" in r.text:  # no change
+            if r.status_code == 400 and ("leaves nothing" in r.text or "target" in r.text):
+                # Too small to compact (keep_recent leaves no region, or no smaller target):
+                # refused, no change.
                 self.ledger.flight = None
                 return
             assert r.status_code == 200, r.text
