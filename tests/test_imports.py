@@ -1,0 +1,148 @@
+"""The house's layers, read from the source with `ast`: which of our modules import which,
+counting imports made only for type checking (`if TYPE_CHECKING:`) and inside functions, since
+each is a dependency a reader must follow and a refactor must keep in mind.
+
+Two rules: no import circle outside KNOWN_CIRCLES, and nothing under `engine/` or `models/`
+imports `server/` outside KNOWN_UPWARD (`models/` imports none of our other packages at all).
+Both lists hold what is there today (issue 37 removes them); the test fails when a new circle
+or upward import appears, and also when a listed one is gone, so that the list shrinks with
+the code and never hides a new one behind an old name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("server", "engine", "models", "train", "bench")
+
+# Each circle as the sorted modules of one strongly connected component of the import graph.
+KNOWN_CIRCLES: set[tuple[str, ...]] = {
+    (
+        "engine.dlm_engine",
+        "engine.dlm_modes",
+        "engine.dlm_modes.base",
+        "engine.dlm_modes.cdlm",
+        "engine.dlm_modes.fast_dllm",
+        "engine.dlm_modes.vanilla",
+        "engine.interface",
+    ),
+    (
+        "server.app",
+        "server.compactions",
+        "server.session_access",
+        "server.sessions_api",
+    ),
+}
+KNOWN_UPWARD: set[tuple[str, str]] = {("engine.served_model", "server.metrics")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Our modules that `name` imports anywhere in its file (the longest known prefix of each
+    imported name: `from engine.x import y` is engine.x, or engine.x.y if that is a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                add(f"{base}.{alias.name}")
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: set[tuple[str, ...]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.add(tuple(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_is_read_whole():
+    """The walk sees the imports it must: a module-level one, a type-only one, a relative one."""
+    graph = _graph()
+    assert "models.transformer" in graph["engine.ar_engine"]
+    assert "server.metrics" in graph["engine.served_model"]  # under TYPE_CHECKING
+    assert len(graph) > 60
+
+
+def test_no_import_circles_but_the_known_ones():
+    assert _circles(_graph()) == KNOWN_CIRCLES
+
+
+def test_lower_layers_do_not_import_the_server():
+    graph = _graph()
+    upward = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith(("engine", "models"))
+        for target in targets
+        if target.startswith("server")
+    }
+    assert upward == KNOWN_UPWARD
+    models_out = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("models")
+        for target in targets
+        if not target.startswith("models")
+    }
+    assert not models_out, models_out
