@@ -252,7 +252,13 @@ def _durable_before(ack: Ack, store: Path, lines: list, ends: list) -> str | Non
     own online compaction may commit in that window too; it is fsynced the same way.)"""
     window = [line for line, end in zip(lines, ends, strict=True) if ack.sent < end <= ack.received]
     folder, root = str(store / ack.sid), str(store)
-    synced: set[str] = set()
+    # Files fsynced before the request went out count: a session's own online compaction may
+    # have written and fsynced its segment then, and renames it while this request waits.
+    synced = {
+        paths[0]
+        for (op, *paths), end in zip(lines, ends, strict=True)
+        if end <= ack.sent and op == "fsync"
+    }
     renamed = durable = root_synced = False  # the commit's rename, and its fsync after it
     for op, *paths in window:
         if op == "fsync":
