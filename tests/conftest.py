@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -39,6 +40,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:
+    """Everything under `folder`, recursively (links not followed; what is inside `but` left
+    out), by relative path: a folder as ("dir",), a link with its target, a file with its
+    size, mtime and content hash. Equal snapshots: nothing there was written, added, removed
+    or re-pointed."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        if but is not None and Path(dirpath) == but:
+            dirnames.clear()
+            filenames.clear()
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
+            elif path.is_dir():
+                out[rel] = ("dir",)
+            else:
+                stat = path.stat()
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                out[rel] = ("file", stat.st_size, stat.st_mtime_ns, digest)
+    return out
 
 
 def _listing(folder: Path) -> list[str]:

@@ -6,9 +6,7 @@ it, is the same (content, size, mtime) afterwards, and nothing new appears there
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import httpx
@@ -16,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import running_server
+from conftest import running_server, tree_snapshot
 from engine.session_store import SESSION_ID, SessionError, SessionStore
 
 ODD_TEXT = st.text(
@@ -32,7 +30,7 @@ def test_store_ids(tmp_path_factory, sid):
     base = tmp_path_factory.mktemp("fuzz")
     root = base / "store"
     (base / "outside.txt").write_text("x")
-    before = _snapshot(base)
+    before = tree_snapshot(base)
     store = SessionStore(root, 1 << 20)
     try:
         session = store.create("m", sid)
@@ -46,7 +44,7 @@ def test_store_ids(tmp_path_factory, sid):
             assert folder.parent == root.resolve() and (folder / "meta.json").is_file()
             store.delete(session)
     # Everything under the store's parent, recursively: only the (now empty) store is new.
-    assert _snapshot(base) == {**before, "store": ("dir",)}
+    assert tree_snapshot(base) == {**before, "store": ("dir",)}
 
 
 JSON_VALUES = st.recursive(
@@ -89,7 +87,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("fuzz-server")
     store = base / "sessions"
     (base / "beside.txt").write_text("x")
-    before = _snapshot(base)
+    before = tree_snapshot(base)
     with running_server(
         "--model", f"tiny={tiny_llama_dir}", "--device", "cpu", "--dtype", "float32",
         "--max-model-len", "64", "--sessions-dir", str(store),
@@ -116,32 +114,9 @@ def test_malformed_bodies_never_crash_a_route(server, method, path):
     check()
     assert all(_inside(store, p) for p in store.rglob("*"))  # no link out of the store
     # Outside the store, under its parent, everything is as it was before the server started.
-    assert _snapshot(store.parent, but=store) == {**before, "sessions": ("dir",)}
+    assert tree_snapshot(store.parent, but=store) == {**before, "sessions": ("dir",)}
     assert httpx.get(f"{url}/health").status_code == 200
 
 
 def _inside(root: Path, path: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
-
-
-def _snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:
-    """Everything under `folder`, recursively (links not followed; what is inside `but` left
-    out), by relative path: a folder as ("dir",), a link with its target, a file with its
-    size, mtime and content hash."""
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        if but is not None and Path(dirpath) == but:
-            dirnames.clear()
-            filenames.clear()
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(folder).as_posix()
-            if path.is_symlink():
-                out[rel] = ("link", os.readlink(path))
-            elif path.is_dir():
-                out[rel] = ("dir",)
-            else:
-                stat = path.stat()
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                out[rel] = ("file", stat.st_size, stat.st_mtime_ns, digest)
-    return out

@@ -4,7 +4,6 @@ changed where it must not."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -13,20 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, running_server, server_process
+from conftest import REPO, running_server, server_process, tree_snapshot
 
 TINY = ("--device", "cpu", "--dtype", "float32")
 CONTEXT = "The code name of the blue box is Orchid-417. " * 3
 BAD_IDS = [".", "..", ".tmp-x", ".trash-x", "a/b", "a\\b", "a\x00b", "x" * 300, "sé", "-x", "a b"]
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    """Every file under root with a hash of its bytes."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        key = str(path.relative_to(root))
-        out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +38,20 @@ def base(tiny_llama_dir, home):
 
 
 def test_the_reported_attack_leaves_the_data_directory_intact(base, home):
-    before = _snapshot(home)
+    before = tree_snapshot(home)
     r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": ".."})
     assert r.status_code == 400 and r.json()["error"]["param"] == "id", r.text
     # httpx would normalize '/..': send the raw path, as curl does with %2E%2E.
     for raw in ("/v1/sessions/%2E%2E", "/v1/sessions/..%2F..", "/v1/sessions/%2E"):
         r = httpx.request("DELETE", httpx.URL(base).copy_with(raw_path=raw.encode()))
         assert r.status_code in (400, 404), (raw, r.status_code, r.text)
-    assert _snapshot(home) == before
+    assert tree_snapshot(home) == before
     assert (home / "keep.txt").read_text() == "do not delete"
 
 
 @pytest.mark.parametrize("sid", BAD_IDS)
 def test_bad_session_ids_are_refused_everywhere(base, home, sid):
-    before = _snapshot(home)
+    before = tree_snapshot(home)
     r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": sid, "prompt": "x"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -81,7 +71,7 @@ def test_bad_session_ids_are_refused_everywhere(base, home, sid):
         f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "session_id": sid}
     )
     assert r.status_code == 400, r.text
-    assert _snapshot(home) == before
+    assert tree_snapshot(home) == before
 
 
 def test_store_refuses_paths_outside_its_root(tmp_path):
@@ -239,10 +229,10 @@ def test_a_full_store_refuses_instead_of_evicting(tiny_llama_dir, tmp_path):
         for sid in ("a", "b"):
             r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": sid, "prompt": "x"})
             assert r.status_code == 201
-        before = _snapshot(store)
+        before = tree_snapshot(store)
         r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "c", "prompt": "x"})
         assert r.status_code == 507 and r.json()["error"]["type"] == "insufficient_storage"
-        assert _snapshot(store) == before
+        assert tree_snapshot(store) == before
     # A disk quota: 20 KB holds a few tokens of the tiny model (512 bytes each), not 300.
     with running_server(
         "--model", f"tiny={tiny_llama_dir}", *TINY, "--sessions-dir", str(tmp_path / "q"),
@@ -250,7 +240,7 @@ def test_a_full_store_refuses_instead_of_evicting(tiny_llama_dir, tmp_path):
     ) as url:  # fmt: skip
         r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "a", "prompt": "x" * 8})
         assert r.status_code == 201, r.text
-        before = _snapshot(tmp_path / "q")
+        before = tree_snapshot(tmp_path / "q")
         r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "b", "prompt": "y" * 300})
         assert r.status_code == 507, r.text
         r = httpx.post(
@@ -258,5 +248,5 @@ def test_a_full_store_refuses_instead_of_evicting(tiny_llama_dir, tmp_path):
             json={"model": "tiny", "session_id": "a", "prompt": "z", "max_tokens": 400},
         )
         assert r.status_code == 507, r.text
-        assert _snapshot(tmp_path / "q") == before
+        assert tree_snapshot(tmp_path / "q") == before
         assert httpx.get(f"{url}/v1/sessions/a").json()["tokens"] == 8
