@@ -2,8 +2,9 @@
 itself exactly when an append takes it past the policy's size, between requests, and exactly as
 the same compaction requested by hand would (a twin session, fed the same tokens without a
 policy and compacted by `/compact` with the policy's method, ratio and keep_recent wherever the
-first compacted itself, answers every append with the same tokens and logprobs, and its
-compaction reports match). Real server, tiny model."""
+first compacted itself, answers every append with the same tokens, its compaction reports
+match and its committed cache is the same; session completions refuse logprobs, so they are
+not compared). Real server, tiny model."""
 
 from __future__ import annotations
 

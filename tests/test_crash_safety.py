@@ -1,13 +1,15 @@
 """Sessions survive SIGKILL at any moment, and what the server acknowledged is durable.
 
 A real server is killed again and again while several clients at once create, continue
-(plain and streamed), compact (plain and int8) and delete sessions, one of each client's
-sessions compacting itself (`auto_compact`). Each client keeps a ledger of what the server
+(plain and streamed), compact (plain and int8) and delete sessions, some of them compacting
+themselves (`auto_compact`). Each client keeps a ledger of what the server
 acknowledged, written from each 2xx response itself: the tokens a create or a compaction
 reports, an append's tokens from its `usage`; then the digest of the session's committed files
 (its tokens and every KV segment's bytes, read from disk). After each restart every
 acknowledged session is there with that digest (or in the state the one request in flight at
-the kill, or its own online compaction, left it) and the server answers from it.
+the kill, or its own online compaction, left it), and the server answers from it as it did
+after the last restart that found the same state (answers are compared between restarts, each
+peek alone: a peek batched with other rows may flip a near-tied greedy token).
 
 A SIGKILL cannot lose what the kernel already has: it proves the commit protocol's order on
 one machine, not its durability on a power cut. So the server also runs with an audit of its
@@ -90,7 +92,8 @@ if _path:
 @dataclass
 class Known:
     """A session's last acknowledged state: its token count and compactions, the digest of
-    its committed files and its greedy answer to PEEK (None where the kill came first)."""
+    its committed files (None where the kill came first) and its greedy answer to PEEK as a
+    check after a restart gave it (None until one has)."""
 
     tokens: int
     compactions: int
@@ -380,7 +383,10 @@ class Client(threading.Thread):
             assert state.auto and len(meta["compactions"]) > state.compactions, (sid, meta)
             state.compactions = len(meta["compactions"])
         state.digest = digest
-        state.answer = _peek(self.http, sid)
+        # The server answers from it. Not kept as the reference: this peek may share a batch
+        # with the other clients' rows, and the tiny model's near-tied logits can flip its
+        # greedy token with the batch's rounding; `_check` peeks one session at a time.
+        _peek(self.http, sid)
 
     def _append(self, sid: str, stream: bool) -> int:
         """Continue the session with APPEND; the tokens the acknowledged answer added."""
@@ -422,9 +428,9 @@ def _explained(k: Known, state: tuple[int, int], flight: InFlight | None, sid: s
     moved = flight is not None and flight.sid == sid
     auto = k.auto and compactions > k.compactions  # its policy compacted it meanwhile
     if moved and flight.kind == "append" and tokens > k.tokens:
-        return compactions == k.compactions or (k.auto and compactions > k.compactions)
+        return compactions == k.compactions or auto
     if moved and flight.kind == "compact" and tokens == k.tokens:
-        return compactions == k.compactions + 1 or (k.auto and compactions > k.compactions)
+        return compactions == k.compactions + 1 or auto
     return auto and tokens == k.tokens
 
 
