@@ -5,7 +5,8 @@
 2. AR decode tokens/s at batch 1 and 16, on a randomly initialised model with Qwen2-7B's shapes
    (Dream-7B's backbone), bf16;
 3. the diffusion step at block 32 on a random model with Dream-7B's shapes, bf16: a full
-   recompute (prompt + whole answer, bidirectional) vs a cached block step;
+   recompute (prompt + whole answer, bidirectional) vs a cached block step, and (float32, tiny
+   shapes) how far the cached block's logits are from a whole block-causal pass's;
 4. compaction of an 8K-token context (am-highest-fast, 10x) on the Qwen2-7B-shaped model;
 5. the shipped teacher and student: latency, steps and tokens/s of vanilla / fast_dllm / cdlm on
    held-out prose prompts, batch 1.
@@ -165,6 +166,27 @@ def dlm_step(model: Transformer, device: str, prompt: int, answer: int, repeats:
         "full_ms": round(full * 1e3, 2),
         "cached_block_ms": round(cached * 1e3, 2),
         "ratio": round(full / cached, 1),
+        **cached_block_error(device, prompt, answer, block),
+    }
+
+
+@torch.inference_mode()
+def cached_block_error(device: str, prompt: int, answer: int, block: int) -> dict:
+    """The timing above is only worth printing if the cached block computes what a whole
+    block-causal pass computes at those positions (the exact-reuse claim). Checked in float32
+    on the tiny Dream shapes, where kernel reorderings stay near 1e-6 of the logits' scale and a
+    real fault (a RoPE offset, a wrong mask) is thousands of times that; bf16 would hide it."""
+    model = random_model("Dream", TINY, device, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, TINY["vocab_size"] - 2, (1, prompt + answer), generator=gen).to(device)
+    pattern = AttentionPattern.block_causal(block, prompt)
+    cache = model.new_cache(1, prompt + answer)
+    model(ids[:, : prompt + answer - block], cache=cache, pattern=pattern)
+    reuse = model(ids[:, prompt + answer - block :], cache=cache, pattern=pattern, commit=False)
+    whole = model(ids, pattern=pattern)[:, -block:]  # [1, block, V]
+    return {
+        "cached_vs_whole_max_abs": float((reuse - whole).abs().max()),
+        "logit_scale": float(whole.abs().max()),
     }
 
 
@@ -227,6 +249,10 @@ def _print(result: dict) -> None:
     print(
         f"{'DLM step, block 32':<34}full {s['full_ms']} ms, cached block {s['cached_block_ms']} "
         f"ms ({s['ratio']}x), prompt {s['prompt']} + answer {s['answer']}"
+    )
+    print(
+        f"{'cached block vs whole pass (fp32)':<34}max |diff| {s['cached_vs_whole_max_abs']:.2e} "
+        f"of logits up to {s['logit_scale']:.2f}"
     )
     c = result["compaction"]
     print(
