@@ -34,7 +34,7 @@ import httpx
 from bench.load import PROMPTS, austen_ids, free_port, pct, rss_mb, start, stop
 from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL
 
-DECODINGS = ("cdlm", "fast_dllm", "vanilla")
+DECODINGS = ("cdlm", "fast_dllm", "vanilla")  # the built-in modes (engine.dlm_modes.MODES)
 PHASES = {
     "ar": ("ar", "ar-stream"),
     "dlm": ("dlm",),

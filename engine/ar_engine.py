@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from engine import limits
 from engine.interface import EngineOutput, TokenLogprob
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampling import SamplingParams, eos_token_ids, make_generator, sample
+from engine.scheduler import Scheduler
 from engine.text_output import TextAssembler
 from models import kernels
 from models.kv_cache import KVCache
@@ -55,7 +57,7 @@ class ARSequence:
     finish_reason: str | None = None
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
-    admitted: float | None = None
+    admitted: float | None = None  # set by the scheduler
     token_times: list[float] = field(default_factory=list)
 
 
@@ -64,6 +66,7 @@ GROWTH_HEADROOM = 256  # answer tokens a new row gets room for when the cache gr
 # Prompt tokens one step prefills, all new rows together (chunked prefill). A longer prompt
 # joins over several steps, and the running rows decode at every one of them.
 PREFILL_TOKENS_PER_STEP = 512
+ROWS = "rows"  # the scheduler's one group: every sequence shares the batch cache
 
 
 def _session_slots(seq: ARSequence) -> int:
@@ -85,15 +88,15 @@ class AREngine:
         self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.max_batch = max_batch
-        eos = set(model.config.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-        self.waiting: list[ARSequence] = []
-        self.running: list[ARSequence] = []
+        self.eos_token_ids = eos_token_ids(model.config.eos_token_ids, tokenizer)
+        self.scheduler: Scheduler[ARSequence] = Scheduler(
+            max_batch,
+            group_of=lambda seq: ROWS,
+            abort_output=lambda seq: EngineOutput(seq.id, [], "", "abort"),
+            move_row=self._move_row,
+            release=self._release,
+        )
         self.cache: KVCache | None = None
-        self.on_finish: Callable[[ARSequence], None] | None = None
         # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
         # SmolLM2) rather than inside the first request; None where it does not apply.
         kernels.decode_stack(model)
@@ -109,43 +112,49 @@ class AREngine:
         append: bool = True,
     ) -> ARSequence:
         history = 0 if session is None else session.logical_length
+        problem = limits.ar_problem(len(prompt), params.max_tokens, history, self.max_model_len)
+        if problem is not None:
+            raise ValueError(problem.message)
         budget = min(params.max_tokens, self.max_model_len - history - len(prompt))
-        if not prompt or budget < 1:
-            raise ValueError("prompt leaves no room for new tokens")
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
         generator = None if params.greedy else make_generator(params.seed, self.model.device)
         return ARSequence(
-            request_id,
-            list(prompt),
-            params,
-            budget,
-            TextAssembler(self.tokenizer, list(params.stop)),
-            frozenset(stop_ids),
-            generator,
-            aborted,
-            session,
-            append,
+            id=request_id,
+            prompt=list(prompt),
+            params=params,
+            budget=budget,
+            text=TextAssembler(self.tokenizer, list(params.stop)),
+            stop_ids=params.stop_ids(self.eos_token_ids),
+            generator=generator,
+            aborted=aborted,
+            session=session,
+            append=append,
         )
 
     def add(self, seq: ARSequence) -> None:
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
-        self.waiting.clear()
-        self.running.clear()
+        self.scheduler.reset()
         self.cache = None
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return self.scheduler.num_waiting()
 
     def num_running(self) -> int:
-        return len(self.running)
+        return self.scheduler.num_running()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    @property
+    def running(self) -> list[ARSequence]:
+        """The running sequences; row i is running[i]."""
+        return self.scheduler.group(ROWS)
 
     def kv_usage(self) -> float:
         """Fraction of the allocated KV slots that hold committed tokens."""
@@ -170,11 +179,9 @@ class AREngine:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        for seq in [s for s in self.running if s.aborted()]:
-            seq.finish_reason = "abort"
-            outputs.append(EngineOutput(seq.id, [], "", "abort"))
-            self._retire(seq)
-        self._take_waiting(outputs)
+        joined = self.scheduler.schedule(outputs).get(ROWS, [])
+        if joined:
+            self._load_rows(joined)
         if self.running:
             assert self.cache is not None  # every running row has one
             seqs, chunks = self._plan()
@@ -186,8 +193,8 @@ class AREngine:
                 seq.prefilled += len(tokens)
                 if seq.prefilled == len(seq.prompt):  # the prompt is in: its first token
                     outputs.append(self._accept(seq, logits[i]))
-        for seq in [s for s in self.running if s.finish_reason is not None]:
-            self._retire(seq)
+        self.scheduler.retire_finished()
+        self._shed()
         return outputs
 
     def _cache_for(self, needed: int) -> KVCache:
@@ -218,22 +225,9 @@ class AREngine:
                 budget -= n
         return seqs, chunks
 
-    def _take_waiting(self, outputs: list[EngineOutput]) -> list[ARSequence]:
-        """Give every waiting sequence that fits a cache row (fresh, or loaded from its
-        session) and start it running (its prompt is prefilled by the coming steps); aborted
-        ones leave with an output instead."""
-        new: list[ARSequence] = []
-        while self.waiting and len(self.running) + len(new) < self.max_batch:
-            seq = self.waiting.pop(0)
-            if seq.aborted():
-                outputs.append(EngineOutput(seq.id, [], "", "abort"))
-                continue
-            seq.admitted = time.perf_counter()
-            seq.row = len(self.running) + len(new)
-            new.append(seq)
-        if not new:
-            return new
-        self.running.extend(new)
+    def _load_rows(self, new: list[ARSequence]) -> None:
+        """Rows for sequences that just joined: fresh, or loaded from their session (their
+        prompts are prefilled by the coming steps)."""
         # Room for the prompts and some of the answers: growing the batch cache copies every
         # row, so a row that would grow again a few tokens later is given headroom now.
         cache = self._cache_for(
@@ -241,11 +235,11 @@ class AREngine:
         )
         for seq in new:
             if _session_slots(seq):  # continue from the session's (maybe compacted) cache
+                assert seq.session is not None and seq.session.cache is not None
                 cache.load_row(seq.row, seq.session.cache)
                 seq.compacted = seq.session.cache.biases is not None
             else:
                 cache.reset(seq.row)
-        return new
 
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:
@@ -303,18 +297,13 @@ class AREngine:
         seq.finish_reason = out.finish_reason
         return out
 
-    def _retire(self, seq: ARSequence) -> None:
+    def _release(self, seq: ARSequence) -> None:
         if seq.session is not None and seq.append and seq.finish_reason in ("stop", "length"):
             self._write_back(seq)
-        last = self.running[-1]
-        if last is not seq and self.cache is not None:
-            self.cache.move_row(last.row, seq.row)
-        self.running[seq.row] = last
-        last.row = seq.row
-        self.running.pop()
-        self._shed()
-        if self.on_finish is not None:
-            self.on_finish(seq)
+
+    def _move_row(self, group: str, src: int, dst: int) -> None:
+        if self.cache is not None:
+            self.cache.move_row(src, dst)
 
     def _shed(self) -> None:
         """Leave nothing behind that later steps would pay for: the per-key biases once no
@@ -325,5 +314,5 @@ class AREngine:
             return
         if self.cache.biases is not None and not any(s.compacted for s in self.running):
             self.cache.biases = None  # the other rows' biases are all zero: exact
-        if not self.running and not self.waiting and self.cache.capacity > INITIAL_SLOTS:
+        if not self.scheduler.has_work() and self.cache.capacity > INITIAL_SLOTS:
             self.cache = None

@@ -21,26 +21,25 @@ steps; the sequences of one decoding mode run as one padded batch, one forward p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from engine.dlm_modes import MODES
-from engine.dlm_sequence import BlockPass, Decoding, DLMParams, DLMSequence
+from engine import limits
+from engine.dlm_modes import MODES, DecodeContext
+from engine.dlm_sequence import BlockPass, DLMParams, DLMSequence
 from engine.interface import EngineOutput
-from engine.sampling import _top_p_filter, make_generator, tempered_softmax
+from engine.sampling import _top_p_filter, eos_token_ids, make_generator, tempered_softmax
+from engine.scheduler import Scheduler
 from engine.text_output import TextAssembler
-from engine.unmasking import Schedule, confidence, origin, pick, quota, steps_problem
+from engine.unmasking import Schedule, confidence, origin, pick, quota
 from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 if TYPE_CHECKING:
     from engine.session_store import Session
-
-DECODINGS: tuple[Decoding, ...] = ("cdlm", "fast_dllm", "vanilla")
 
 
 class DLMEngine:
@@ -59,7 +58,6 @@ class DLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.max_batch = max_batch
         self.mask_id = int(cfg.mask_token_id)
         self.shift = cfg.logits_shift
         # How a fixed number of steps is spread over a block: Dream's way for Dream checkpoints,
@@ -71,18 +69,28 @@ class DLMEngine:
             if default_threshold is not None
             else (cfg.dlm_threshold if cfg.dlm_threshold is not None else 0.9)
         )
-        eos = set(cfg.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-        self.running: dict[Decoding, list[DLMSequence]] = {d: [] for d in DECODINGS}
-        self.waiting: list[DLMSequence] = []
-        self.caches: dict[Decoding, KVCache] = {}
+        self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, tokenizer)
+        # One batch (scheduler group) per decoding mode, each with its own KV cache.
+        self.scheduler: Scheduler[DLMSequence] = Scheduler(
+            max_batch,
+            group_of=lambda seq: seq.params.decoding,
+            abort_output=lambda seq: EngineOutput(seq.id, [], "", "abort", steps=seq.steps),
+            move_row=self._move_row,
+        )
+        self.caches: dict[str, KVCache] = {}
         self._scratch: KVCache | None = None  # see scratch_cache
         self.forward_passes = 0  # every model forward this engine ran (tests check steps)
         # Called with (sequence, block logits [B, V]) at every step; for tests and tracing.
         self.on_step: Callable[[DLMSequence, Tensor], None] | None = None
-        self.on_finish: Callable[[DLMSequence], None] | None = None
+        self.context = DecodeContext(
+            model=model,
+            mask_id=self.mask_id,
+            shift=self.shift,
+            schedule=self.schedule,
+            cache=self.cache_for,
+            scratch=self.scratch_cache,
+            count_forward=self._count_forward,
+        )
 
     # ---- requests ----------------------------------------------------------------------------
     def new_sequence(
@@ -96,46 +104,52 @@ class DLMEngine:
     ) -> DLMSequence:
         if session is not None:
             raise ValueError("sessions are for autoregressive models")
-        if not prompt:
-            raise ValueError("a diffusion model needs a non-empty prompt")
-        if params.block_size < 1 or params.max_tokens < 1:
-            raise ValueError("block_size and max_tokens must be >= 1")
-        gen_len = math.ceil(params.max_tokens / params.block_size) * params.block_size
-        if len(prompt) + gen_len > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)}) + answer ({gen_len}, max_tokens rounded up to whole "
-                f"blocks) exceeds the context ({self.max_model_len})"
-            )
-        if params.steps is not None:
-            problem = steps_problem(params.steps, params.block_size, gen_len)
-            if problem is not None:
-                raise ValueError(problem)
+        mode = MODES.get(params.decoding)
+        if mode is None:
+            raise ValueError(f"decoding must be one of {sorted(MODES)}, not {params.decoding!r}")
+        problem = limits.dlm_problem(
+            len(prompt), params.max_tokens, params.block_size, params.steps, self.max_model_len
+        )
+        if problem is not None:
+            raise ValueError(problem.message)
+        gen_len = limits.dlm_answer_length(params.max_tokens, params.block_size)
         device = self.model.device
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
         return DLMSequence(
             id=request_id,
             prompt=list(prompt),
             params=params,
             answer=torch.full((gen_len,), self.mask_id, dtype=torch.long, device=device),
             text=TextAssembler(self.tokenizer, list(params.stop)),
-            stop_ids=frozenset(stop_ids),
+            stop_ids=params.stop_ids(self.eos_token_ids),
             generator=make_generator(params.seed, device) if _draws(params) else None,
+            state=mode.new_state(),
             aborted=aborted,
         )
 
     def add(self, seq: DLMSequence) -> None:
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(self.running.values())
+        return self.scheduler.has_work()
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return self.scheduler.num_waiting()
 
     def num_running(self) -> int:
-        return sum(len(group) for group in self.running.values())
+        return self.scheduler.num_running()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    @property
+    def running(self) -> dict[str, list[DLMSequence]]:
+        """The running sequences per decoding mode; row i of a mode's cache is its [i]."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[DLMSequence]:
+        return self.scheduler.waiting
 
     def kv_usage(self) -> float:
         """Fraction of the decoding modes' KV slots holding committed tokens (vanilla keeps
@@ -145,9 +159,7 @@ class DLMEngine:
 
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
-        self.waiting.clear()
-        for group in self.running.values():
-            group.clear()
+        self.scheduler.reset()
         self.caches.clear()
         self._scratch = None
 
@@ -164,45 +176,26 @@ class DLMEngine:
         """Admit waiting requests, run one forward per decoding mode, and return what became
         final."""
         outputs: list[EngineOutput] = []
-        self._admit()
-        for mode in DECODINGS:
-            for seq in [s for s in self.running[mode] if s.aborted()]:
-                seq.finish_reason = "abort"
-                outputs.append(EngineOutput(seq.id, [], "", "abort", steps=seq.steps))
-                self._retire(mode, seq)
-            group = self.running[mode]
-            if group:
-                passes = [MODES[mode].plan(seq) for seq in group]
-                hidden = MODES[mode].forward(self, passes)  # [n, Qmax, hidden]
-                self.forward_passes += 1
-                for i, block_pass in enumerate(passes):
-                    out = self._advance(block_pass, hidden[i])
-                    if out is not None:
-                        outputs.append(out)
-            for seq in [s for s in group if s.finish_reason is not None]:
-                self._retire(mode, seq)
+        for name, joined in self.scheduler.schedule(outputs).items():
+            MODES[name].admit(self.context, joined)
+        for name, group in self.running.items():
+            if not group:
+                continue
+            mode = MODES[name]
+            passes = [mode.plan(seq) for seq in group]
+            hidden = mode.forward(self.context, passes)  # [n, Qmax, hidden]
+            self._count_forward()
+            for i, block_pass in enumerate(passes):
+                out = self._advance(block_pass, hidden[i])
+                if out is not None:
+                    outputs.append(out)
+        self.scheduler.retire_finished()
         return outputs
 
-    def _admit(self) -> None:
-        """Waiting requests join their mode's batch while it has room, in arrival order within
-        a mode; a full mode never holds back requests of another (no head-of-line blocking)."""
-        still_waiting = []
-        joined: dict[Decoding, list[DLMSequence]] = {d: [] for d in DECODINGS}
-        for seq in self.waiting:
-            mode = seq.params.decoding
-            group = self.running[mode]
-            if len(group) >= self.max_batch:
-                still_waiting.append(seq)
-                continue
-            seq.row = len(group)
-            group.append(seq)
-            joined[mode].append(seq)
-        self.waiting = still_waiting
-        for mode, seqs in joined.items():
-            if seqs:
-                MODES[mode].admit(self, seqs)
+    def _count_forward(self) -> None:
+        self.forward_passes += 1
 
-    def cache_for(self, mode: Decoding, capacity: int) -> KVCache:
+    def cache_for(self, mode: str, capacity: int) -> KVCache:
         """The mode's KV cache: max_batch rows (row i belongs to running[mode][i]), grown to
         `capacity` slots."""
         cache = self.caches.get(mode)
@@ -276,10 +269,9 @@ class DLMEngine:
         step = seq.block_steps - 1  # this step's index in its block
         if p.confidence == "origin":
             return origin(masked, step, spb, seq.generator), tokens
-        if self.schedule == "dream" and p.decoding == "fast_dllm" and step == 0:
-            # Fast-dLLM's Dream decoder: a block's first pass (the full refresh) finalizes its
-            # first position alone, whatever the confidences; the later passes decide the rest.
-            return torch.arange(masked.shape[0], device=masked.device) == 0, tokens
+        forced = MODES[p.decoding].forced_choice(self.context, seq, masked, step)
+        if forced is not None:
+            return forced, tokens
         conf = confidence(p.confidence, probs, tokens, draws)
         conf = torch.where(masked, conf, torch.tensor(float("-inf"), device=conf.device))
         if p.steps is not None:  # a fixed schedule
@@ -332,16 +324,9 @@ class DLMEngine:
         seq.finish_reason = reason
         return EngineOutput(seq.id, ids, "".join(parts), reason, steps=seq.steps)
 
-    def _retire(self, mode: Decoding, seq: DLMSequence) -> None:
-        group = self.running[mode]
-        last = group[-1]
-        if mode in self.caches and last is not seq:
-            self.caches[mode].move_row(last.row, seq.row)
-        group[seq.row] = last
-        last.row = seq.row
-        group.pop()
-        if self.on_finish is not None:
-            self.on_finish(seq)
+    def _move_row(self, mode: str, src: int, dst: int) -> None:
+        if mode in self.caches:
+            self.caches[mode].move_row(src, dst)
 
 
 def _draws(params: DLMParams) -> bool:

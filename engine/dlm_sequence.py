@@ -6,29 +6,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from engine.sampling import GenerationParams
 from engine.text_output import TextAssembler
 from engine.unmasking import Confidence
 
-Decoding = Literal["cdlm", "fast_dllm", "vanilla"]
+# A decoding mode's name: one of engine.dlm_modes.MODES (the registry, which may grow).
+Decoding = str
 
 
 @dataclass(slots=True)
-class DLMParams:
-    max_tokens: int
+class DLMParams(GenerationParams):
+    """A diffusion request: GenerationParams (greedy by default here) and how to unmask."""
+
+    temperature: float = 0.0
     decoding: Decoding = "cdlm"
     block_size: int = 32
     threshold: float = 0.9
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
     # A fixed number of denoising steps (all blocks together) on the model family's schedule
     # (engine.unmasking.quota) instead of the mode's default: the threshold for cdlm and
     # fast_dllm, one token per step for vanilla.
@@ -49,15 +47,15 @@ class DLMSequence:
     block: int = 0  # index of the block being decoded
     steps: int = 0
     block_steps: int = 0  # steps taken in the current block
-    row: int = -1  # row in its mode's KV cache (cdlm, fast_dllm)
-    commit_previous_block: bool = False  # cdlm: the previous block is final, not yet cached
-    refresh: bool = True  # fast_dllm: the next pass is a full refresh of the cache
+    row: int = -1  # row in its mode's KV cache (set by the scheduler)
+    state: Any = None  # its decoding mode's own per-sequence state (DecodingMode.new_state)
     # [V] logits predicting the current block's first token (Dream: the hidden state before
     # the block predicts it, and a pass over the block alone does not compute that state).
     first_logits: Tensor | None = None
     emitted: int = 0  # answer tokens already handed out
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # set by the scheduler
     tokens_per_step: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)  # of the blocks it finished
     aborted: Callable[[], bool] = lambda: False

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from engine.dlm_engine import DLMParams
+    from engine.dlm_sequence import DLMParams
     from engine.sampling import SamplingParams
     from engine.session_store import Session
 

@@ -12,7 +12,9 @@ from models import kernels
 
 
 @dataclass(slots=True)
-class SamplingParams:
+class GenerationParams:
+    """What every request asks of either engine: how long, how random, where to stop."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -20,11 +22,33 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # report each token's logprob and this many top alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """Token ids that end the answer: the request's own, and end-of-text unless ignored."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids |= eos_token_ids
+        return frozenset(ids)
+
+
+@dataclass(slots=True)
+class SamplingParams(GenerationParams):
+    """An autoregressive request."""
+
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
+
+
+def eos_token_ids(config_eos: list[int], tokenizer: object) -> frozenset[int]:
+    """End-of-text ids: the model config's and the tokenizer's (they may differ)."""
+    eos = set(config_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)  # tokenizers without one have None
+    if tok_eos is not None:
+        eos.add(int(tok_eos))
+    return frozenset(eos)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

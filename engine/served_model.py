@@ -7,14 +7,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from engine import compaction_budgets
-from engine.ar_engine import AREngine
+from engine.ar_engine import AREngine, ARSequence
 from engine.core_share import CoreShare
 from engine.dlm_engine import DLMEngine
+from engine.dlm_sequence import DLMSequence
 from engine.engine_thread import EngineThread
 from models import kernels
 from models.config import ModelConfig
@@ -22,10 +23,23 @@ from models.loading import load_model
 from models.sources import resolve
 from models.transformer import FUSED_PREFILL_TOKENS, Transformer
 
-if TYPE_CHECKING:
-    from server.metrics import Metrics
-
 log = logging.getLogger(__name__)
+
+
+class Telemetry(Protocol):
+    """What a served model reports as its engine works (server.metrics.Metrics is one): the
+    engine defines it, so the engine never depends on the server."""
+
+    def observe_ar_sequence(self, model: str, seq: ARSequence) -> None:
+        """An AR sequence left the engine (finished or aborted)."""
+
+    def observe_dlm_sequence(
+        self, model: str, decoding: str, seq: DLMSequence, seconds: float
+    ) -> None:
+        """A diffusion sequence left the engine, `seconds` after it arrived."""
+
+    def observe_dlm_step(self, model: str, seconds: float) -> None:
+        """One step of a diffusion engine took `seconds`."""
 
 
 @dataclass(slots=True)
@@ -81,7 +95,7 @@ def load_served_model(
     max_model_len: int | None = None,
     max_queue: int = 256,
     max_batch: int = 8,
-    metrics: Metrics | None = None,
+    metrics: Telemetry | None = None,
     prefill_tokens: int | None = None,
     cores: CoreShare | None = None,
 ) -> ServedModel:
@@ -107,17 +121,19 @@ def load_served_model(
     if ckpt.config.is_diffusion:
         engine = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
         if metrics is not None:
-            engine.on_finish = lambda seq: metrics.observe_dlm_sequence(
+            telemetry = metrics  # bound for the lambdas (mypy narrows no closure)
+            engine.scheduler.on_finish = lambda seq: telemetry.observe_dlm_sequence(
                 name, seq.params.decoding, seq, time.perf_counter() - seq.started
             )
-            on_step = metrics.dlm_step_latency.labels(name).observe
+            on_step = lambda seconds: telemetry.observe_dlm_step(name, seconds)  # noqa: E731
     else:
         # Chunked prefill: a chunk is one step's stall for the running requests. On a CPU a
         # chunk small enough for the fused step keeps that to a few hundred ms (SmolLM2).
         chunk = prefill_tokens or (512 if device.type == "cuda" else FUSED_PREFILL_TOKENS)
         engine = AREngine(model, tokenizer, limit, max_batch, chunk)
         if metrics is not None:
-            engine.on_finish = lambda seq: metrics.observe_ar_sequence(name, seq)
+            telemetry = metrics
+            engine.scheduler.on_finish = lambda seq: telemetry.observe_ar_sequence(name, seq)
     thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=share)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",

@@ -7,25 +7,19 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.core_share import CoreShare
-from engine.served_model import ServedModel, load_served_model
 from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
 from server import chat, completions, planning, sessions_api, streaming
-from server.compactions import Compactions
-from server.errors import APIError, error_body, install_error_handlers
-from server.metrics import CONTENT_TYPE, Metrics
+from server.errors import error_body, install_error_handlers
+from server.metrics import CONTENT_TYPE
 from server.request_context import RequestContext, session_from_header
-from server.request_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from server.request_limits import BodySizeLimit
 from server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,120 +27,11 @@ from server.schemas import (
     ErrorResponse,
     ModelList,
 )
+from server.state import ServerSettings, ServerState
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    name: str
-    source: str
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    models: list[ModelSpec]
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int | None = None
-    max_queue: int = 256
-    max_batch: int = 8  # sequences decoded together per model
-    prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
-    api_key: str | None = None
-    sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
-    session_memory_bytes: int = 2 << 30
-    session_lock_wait: float = 10.0  # seconds a busy session is waited for before 409
-    max_sessions: int = 1024
-    sessions_disk_bytes: int | None = 20 << 30  # None: no quota
-    sessions_redis: str | None = None  # redis://host:port/db of the shared session tier
-    compaction_omp_budget: float = 60.0  # seconds of exact OMP per compaction (then faster)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-
-    def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key is empty: give a real key, or no key to turn auth off")
-
-
-@dataclass(slots=True)
-class ServerState:
-    """Models load in the background, so /health can say 503 while they do."""
-
-    settings: ServerSettings
-    sessions: SessionStore
-    metrics: Metrics = field(default_factory=Metrics)
-    # The cores, split among the threads with work (engine threads, the compaction thread).
-    cores: CoreShare = field(default_factory=CoreShare.shared)
-    compactions: Compactions = field(init=False)
-    models: dict[str, ServedModel] = field(default_factory=dict)
-    ready: threading.Event = field(default_factory=threading.Event)
-    load_error: str | None = None
-
-    def __post_init__(self) -> None:
-        self.compactions = Compactions(self.cores)
-
-    def load_all(self) -> None:
-        log.info(
-            "loading %d model(s); /health answers 503 until they are ready",
-            len(self.settings.models),
-        )
-        try:
-            for spec in self.settings.models:
-                s = self.settings
-                self.models[spec.name] = load_served_model(
-                    spec.name,
-                    spec.source,
-                    s.device,
-                    s.dtype,
-                    s.max_model_len,
-                    s.max_queue,
-                    s.max_batch,
-                    self.metrics,
-                    s.prefill_tokens,
-                    self.cores,
-                )
-        except Exception as e:  # reported by /health; the process stays up to say so
-            log.exception("model loading failed")
-            self.load_error = f"{type(e).__name__}: {e}"
-        else:
-            log.info("ready: serving %s (/health answers 200)", ", ".join(self.models))
-        finally:
-            self.ready.set()
-
-    def get(self, name: str) -> ServedModel:
-        if not self.ready.is_set():
-            raise APIError(503, "models are still loading", headers={"Retry-After": "5"})
-        served = self.models.get(name)
-        if served is None:
-            known = ", ".join(sorted(self.models)) or "none"
-            raise APIError(
-                404,
-                f"model {name!r} does not exist (served: {known})",
-                param="model",
-                code="model_not_found",
-            )
-        if served.thread.full():  # checked before a stream starts: its 429 must be a status
-            raise APIError(
-                429,
-                f"{name}: {served.thread.waiting} requests are already waiting",
-                headers={"Retry-After": "1"},
-            )
-        return served
-
-    def gauges(self) -> dict[str, tuple[int, int, float]]:
-        """model -> (running, waiting, KV cache usage), read at scrape time."""
-        out = {}
-        for name, served in self.models.items():
-            out[name] = (served.thread.running, served.thread.waiting, served.engine.kv_usage())
-        return out
-
-    def shutdown(self) -> None:
-        """Let in-flight requests finish, stop the engine threads, write sessions to disk."""
-        for served in self.models.values():
-            served.thread.shutdown(timeout=60)
-        self.compactions.shutdown()
-        self.sessions.persist_all()
 
 
 def _document_models(app: FastAPI, names: list[str]) -> None:

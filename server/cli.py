@@ -41,7 +41,7 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 def parse_model_spec(text: str):
     """NAME=SOURCE, or just SOURCE (served under the source's own name)."""
-    from server.app import ModelSpec
+    from server.state import ModelSpec
 
     name, sep, source = text.partition("=")
     if sep and name and "/" not in name:
@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from server.app import ServerSettings, create_app
+    from server.app import create_app
+    from server.state import ServerSettings
 
     specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
     if args.api_key is not None and not args.api_key.strip():

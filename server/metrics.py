@@ -173,6 +173,9 @@ class Metrics:
             per_block.observe(n)
         self.dlm_e2e_latency.labels(model, decoding).observe(seconds)
 
+    def observe_dlm_step(self, model: str, seconds: float) -> None:
+        self.dlm_step_latency.labels(model).observe(seconds)
+
     def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float]]]) -> None:
         """Per-model gauges read at scrape time: `read()` -> {model: (running, waiting,
         KV cache usage fraction)}."""

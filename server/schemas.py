@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.attention_matching import METHODS
+from engine.dlm_modes import MODES
 from engine.kv_compaction import BUDGETS, KEY_QUERIES, QUERY_SOURCES
 from engine.session_store import SESSION_ID_PATTERN
 from server.request_limits import MAX_DLM_STEPS, MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
@@ -48,7 +49,11 @@ class GenerationRequest(BaseModel):
     # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
     ignore_eos: bool = False
     # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
-    decoding: Literal["cdlm", "fast_dllm", "vanilla"] | None = None
+    # One of the registered decoding modes (engine.dlm_modes.MODES), read at request time so a
+    # mode registered after import is served too; the schema lists them when it is built.
+    decoding: str | None = Field(
+        None, json_schema_extra=lambda schema: schema.update(enum=[*MODES, None])
+    )
     block_size: int | None = Field(None, ge=1, le=1024)
     threshold: float | None = Field(None, ge=0.0)
     # The reference releases' own options: a fixed number of denoising steps (Dream's and
@@ -57,6 +62,13 @@ class GenerationRequest(BaseModel):
     alg: Literal["maskgit_plus", "topk_margin", "entropy", "origin"] | None = None
     alg_temp: float | None = Field(None, ge=0.0, le=100.0)
     remasking: Literal["low_confidence", "random"] | None = None
+
+    @field_validator("decoding")
+    @classmethod
+    def _registered_mode(cls, v: str | None) -> str | None:
+        if v is not None and v not in MODES:
+            raise ValueError(f"decoding must be one of {', '.join(MODES)}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -13,16 +13,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from engine.served_model import ServedModel
 from engine.session_mirror import MirrorError, SessionConflict
 from engine.session_store import Session, SessionError, SessionStore, check_id
 from models.kv_cache import KVCache
 from server.errors import APIError
-
-if TYPE_CHECKING:
-    from server.app import ServerState
+from server.state import ServerState
 
 T = TypeVar("T")
 

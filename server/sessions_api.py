@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,7 +25,7 @@ from engine.served_model import ServedModel
 from engine.session_mirror import MirrorError
 from engine.session_store import Session, SessionError
 from server import completions, planning, streaming
-from server.compactions import compact
+from server.compactions import after_append, compact
 from server.errors import APIError, error_body
 from server.schemas import CompactRequest, CompletionRequest, SessionCreateRequest
 from server.session_access import (
@@ -43,9 +43,7 @@ from server.session_access import (
     tier_error,
     unstoppable,
 )
-
-if TYPE_CHECKING:
-    from server.app import ServerState
+from server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ async def using(state: ServerState, served: ServedModel, session: Session) -> As
             log.warning("session %s not stored: %s", session.id, e.message)
         finally:
             await release(state.sessions, session)
-        state.compactions.after_append(state, served, session)
+        after_append(state, served, session)
         await spill(state.sessions)
 
     try:
@@ -242,7 +240,7 @@ def install(app: FastAPI, state: ServerState, errors: dict) -> None:
                     store.forget(session)
                     await asyncio.to_thread(store.delete, session)
                 raise
-            state.compactions.after_append(state, served, session)
+            after_append(state, served, session)
             await spill(store)
 
         await unstoppable(build())

@@ -204,7 +204,7 @@ def test_sampling_is_seeded(engine):
 
 
 def test_context_limit_is_checked(engine):
-    with pytest.raises(ValueError, match="exceeds the context"):
+    with pytest.raises(ValueError, match="maximum context length is 512"):
         engine.new_sequence("x", _prompt(500), DLMParams(max_tokens=20, block_size=8))
 
 
@@ -260,7 +260,7 @@ def test_long_requests_joining_mid_answer_fit_the_cache(engine, decoding):
 def test_a_full_mode_does_not_hold_back_other_modes(engine):
     """max_batch rows per mode: a request of a mode with room starts at once, even behind one
     that waits for its full mode (no head-of-line blocking)."""
-    engine.max_batch = 1
+    engine.scheduler.max_batch = 1
     try:
         params = {"max_tokens": 16, "block_size": 8, "ignore_eos": True}
         first = engine.new_sequence("a", _prompt(5), DLMParams(decoding="cdlm", **params))
@@ -275,7 +275,7 @@ def test_a_full_mode_does_not_hold_back_other_modes(engine):
             engine.step()
         assert {s.finish_reason for s in (first, second, other)} == {"length"}
     finally:
-        engine.max_batch = 8
+        engine.scheduler.max_batch = 8
 
 
 @pytest.mark.parametrize("decoding", ["cdlm", "vanilla"])

@@ -208,7 +208,7 @@ def test_with_two_cores_or_more_each_busy_engines_take_turns_on_the_wide_thread(
 
 
 def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
-    from server.compactions import Compactions
+    from server.compaction_thread import Compactions
 
     cores = CoreShare(2)
     engine = WhereEngine(0.05)

@@ -157,7 +157,8 @@ def test_openai_client(base):
 def test_health_is_503_while_models_load(tmp_path):
     import uvicorn
 
-    from server.app import ModelSpec, ServerSettings, create_app
+    from server.app import create_app
+    from server.state import ModelSpec, ServerSettings
 
     release = threading.Event()
 

@@ -1,10 +1,7 @@
-"""The diffusion engine's decoding modes, by the name requests use (`decoding`)."""
+"""The diffusion engine's decoding modes: one file each, registered by name in `MODES`."""
 
-from engine.dlm_modes.base import DecodingMode
-from engine.dlm_modes.cdlm import Cdlm
-from engine.dlm_modes.fast_dllm import FastDllm
-from engine.dlm_modes.vanilla import Vanilla
+from engine.dlm_modes import cdlm, fast_dllm, vanilla  # noqa: F401  (they register themselves)
+from engine.dlm_modes.base import DecodeContext, DecodingMode
+from engine.dlm_modes.registry import MODES, register, unregister
 
-MODES: dict[str, DecodingMode] = {m.name: m for m in (Cdlm(), FastDllm(), Vanilla())}
-
-__all__ = ["MODES", "DecodingMode"]
+__all__ = ["MODES", "DecodeContext", "DecodingMode", "register", "unregister"]

@@ -1,17 +1,24 @@
 """What a decoding mode of the diffusion engine decides; `DLMEngine` does everything else
-(admission, batching per mode, choosing which masked tokens a step finalizes, text)."""
+(admission, batching per mode, choosing which masked tokens a step finalizes, text).
+
+A mode sees the engine only through a `DecodeContext`: the model, the mask id, its own KV
+cache, a scratch cache, and a counter of forward passes. It owns its per-sequence state
+(`new_state`, kept in `DLMSequence.state`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from engine.dlm_sequence import BlockPass, DLMSequence
+from engine.unmasking import Schedule
 from models.attention import AttentionPattern
 from models.kv_cache import KVCache
+from models.transformer import Transformer
 
 # Steps of up to this many tokens (all rows together) run through the fused C++ step where it
 # applies (bf16 on AVX512-BF16 CPUs), longer ones through PyTorch. Measured here (bf16, 2 cores,
@@ -26,19 +33,36 @@ FUSED_STEP_TOKENS = 192
 # one count per token, of the row's slots [0, count) it attends to.
 Reach = Callable[[BlockPass, int, int], list[int]]
 
-if TYPE_CHECKING:
-    from engine.dlm_engine import DLMEngine
+
+@dataclass(slots=True)
+class DecodeContext:
+    """What a mode may use of the engine that runs it."""
+
+    model: Transformer
+    mask_id: int
+    shift: bool  # logits are shifted (Dream): hidden state i - 1 predicts position i
+    schedule: Schedule  # the model family's step schedule ("dream" or "llada")
+    # cache(mode name, capacity) -> that mode's KV cache (max_batch rows; row i belongs to the
+    # mode's running sequence i), grown to at least `capacity` slots.
+    cache: Callable[[str, int], KVCache]
+    # scratch(capacity) -> max_batch rows for passes that commit nothing (not counted as KV use).
+    scratch: Callable[[int], KVCache]
+    count_forward: Callable[[], None]  # every model forward a mode runs is counted
 
 
 class DecodingMode:
     """One way to decode: what a sequence's next pass runs, how a batch of passes runs (one
     forward), and what changes after a pass and at a block's end. A new mode is one subclass
-    in one file, registered in `engine.dlm_modes.MODES`."""
+    in one file that calls `engine.dlm_modes.register` with an instance."""
 
     name: str
     parallel = True  # finalize every masked token above the threshold (else one per step)
 
-    def admit(self, engine: DLMEngine, seqs: list[DLMSequence]) -> None:
+    def new_state(self) -> Any:
+        """A new sequence's state in this mode (kept in DLMSequence.state)."""
+        return None
+
+    def admit(self, ctx: DecodeContext, seqs: list[DLMSequence]) -> None:
         """Sequences that just joined this mode's batch (rows consecutive), before their
         first pass."""
 
@@ -46,7 +70,7 @@ class DecodingMode:
         """What the sequence runs in the next forward pass."""
         raise NotImplementedError
 
-    def forward(self, engine: DLMEngine, passes: list[BlockPass]) -> Tensor:
+    def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
         """All passes of the batch in one forward -> hidden [n, Qmax, hidden]."""
         raise NotImplementedError
 
@@ -56,13 +80,20 @@ class DecodingMode:
     def next_block(self, seq: DLMSequence) -> None:
         """The sequence's block is complete; the next pass starts the next block."""
 
+    def forced_choice(
+        self, ctx: DecodeContext, seq: DLMSequence, masked: Tensor, step: int
+    ) -> Tensor | None:
+        """Positions [B] bool this step must finalize whatever the confidences (`step` is the
+        step's index in its block), or None to let the confidences decide."""
+        return None
 
-def padded_tokens(engine: DLMEngine, passes: list[BlockPass]) -> tuple[Tensor, Tensor | None]:
+
+def padded_tokens(ctx: DecodeContext, passes: list[BlockPass]) -> tuple[Tensor, Tensor | None]:
     """The passes' tokens right-padded with the mask id [n, Qmax], and which are real [n, Qmax]
     (None when none is padding)."""
-    device = engine.model.device
+    device = ctx.model.device
     n, q_max = len(passes), max(p.tokens.shape[0] for p in passes)
-    tokens = torch.full((n, q_max), engine.mask_id, dtype=torch.long, device=device)
+    tokens = torch.full((n, q_max), ctx.mask_id, dtype=torch.long, device=device)
     valid = torch.zeros(n, q_max, dtype=torch.bool, device=device)
     for i, p in enumerate(passes):
         tokens[i, : p.tokens.shape[0]] = p.tokens
@@ -71,17 +102,17 @@ def padded_tokens(engine: DLMEngine, passes: list[BlockPass]) -> tuple[Tensor, T
 
 
 def cached_forward(
-    engine: DLMEngine, mode: str, passes: list[BlockPass], pattern: AttentionPattern
+    ctx: DecodeContext, mode: str, passes: list[BlockPass], pattern: AttentionPattern
 ) -> Tensor:
     """The passes on rows 0..n-1 of the mode's cache, one padded forward; each row commits its
     pass's `commit` first tokens (and writes Qmax scratch slots, its padding too)."""
-    device, n = engine.model.device, len(passes)
-    tokens, valid = padded_tokens(engine, passes)
-    cache = engine.cache_for(mode, 0)
+    device, n = ctx.model.device, len(passes)
+    tokens, valid = padded_tokens(ctx, passes)
+    cache = ctx.cache(mode, 0)
     positions = torch.tensor(cache.logical[:n], device=device).view(n, 1) + torch.arange(
         tokens.shape[1], device=device
     )
-    return engine.model(
+    return ctx.model(
         tokens,
         cache=cache,
         rows=(0, n),
@@ -109,7 +140,7 @@ def bidirectional_reach(p: BlockPass, base: int, n: int) -> list[int]:
 
 
 def fused_forward(
-    engine: DLMEngine, passes: list[BlockPass], cache: KVCache, reach: Reach
+    ctx: DecodeContext, passes: list[BlockPass], cache: KVCache, reach: Reach
 ) -> Tensor | None:
     """The passes through the fused C++ step (bf16 on CPUs with AVX512-BF16): pass i's tokens
     go to row passes[i].seq.row after its committed slots, each attending as `reach` says; then
@@ -129,7 +160,7 @@ def fused_forward(
         owners += [row] * n
         slots += range(base, base + n)
         attend += reach(p, base, n)
-    flat = engine.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
+    flat = ctx.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
     if flat is None:
         return None
     q_max = max(p.tokens.shape[0] for p in passes)

@@ -6,27 +6,39 @@ seeing the new one, so its K/V are what a separate pass would give."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engine.dlm_modes.base import DecodingMode, block_causal, cached_forward, fused_forward
+from engine.dlm_modes.base import (
+    DecodeContext,
+    DecodingMode,
+    block_causal,
+    cached_forward,
+    fused_forward,
+)
+from engine.dlm_modes.registry import register
 from engine.dlm_sequence import BlockPass, DLMSequence
 
-if TYPE_CHECKING:
-    from engine.dlm_engine import DLMEngine
+
+@dataclass(slots=True)
+class CdlmState:
+    commit_previous_block: bool = False  # the previous block is final, not yet cached
 
 
 class Cdlm(DecodingMode):
     name = "cdlm"
 
-    def admit(self, engine: DLMEngine, seqs: list[DLMSequence]) -> None:
+    def new_state(self) -> CdlmState:
+        return CdlmState()
+
+    def admit(self, ctx: DecodeContext, seqs: list[DLMSequence]) -> None:
         """Prefill the new sequences' prompts (each one bidirectional block) into their cache
         rows, all in one forward."""
-        model, device = engine.model, engine.model.device
+        model, device = ctx.model, ctx.model.device
         needed = max(len(s.prompt) + s.gen_len + 2 * s.block_size for s in seqs)
-        cache = engine.cache_for(self.name, needed)
+        cache = ctx.cache(self.name, needed)
         width = max(len(s.prompt) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(seqs), width, dtype=torch.bool, device=device)
@@ -43,33 +55,33 @@ class Cdlm(DecodingMode):
             pattern=block_causal(seqs, device),
             valid=valid if ragged else None,
         )  # [n, W, hidden]
-        engine.forward_passes += 1
+        ctx.count_forward()
         for i, s in enumerate(seqs):
             s.steps += 1  # reported steps are forward passes, the prefill included
-            if engine.shift:
+            if ctx.shift:
                 s.first_logits = model.logits(hidden[i, len(s.prompt) - 1]).float()
 
     def plan(self, seq: DLMSequence) -> BlockPass:
         size, start = seq.block_size, seq.block_start
         block = seq.answer[start : start + size]
-        if seq.commit_previous_block:
+        if seq.state.commit_previous_block:
             done = seq.answer[start - size : start]
             return BlockPass(seq, torch.cat([done, block]), size, size)
         return BlockPass(seq, block, 0, 0)
 
-    def forward(self, engine: DLMEngine, passes: list[BlockPass]) -> Tensor:
-        cache = engine.cache_for(self.name, 0)
-        fused = fused_forward(engine, passes, cache, _block_causal_reach)
+    def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
+        cache = ctx.cache(self.name, 0)
+        fused = fused_forward(ctx, passes, cache, _block_causal_reach)
         if fused is not None:
             return fused
-        pattern = block_causal([p.seq for p in passes], engine.model.device)
-        return cached_forward(engine, self.name, passes, pattern)
+        pattern = block_causal([p.seq for p in passes], ctx.model.device)
+        return cached_forward(ctx, self.name, passes, pattern)
 
     def after_pass(self, seq: DLMSequence) -> None:
-        seq.commit_previous_block = False
+        seq.state.commit_previous_block = False
 
     def next_block(self, seq: DLMSequence) -> None:
-        seq.commit_previous_block = True
+        seq.state.commit_previous_block = True
 
 
 def _block_causal_reach(p: BlockPass, base: int, n: int) -> list[int]:
@@ -77,3 +89,6 @@ def _block_causal_reach(p: BlockPass, base: int, n: int) -> list[int]:
     alone) each see the row's committed slots and their own block, bidirectionally."""
     size = p.seq.block_size
     return [base + min(n, (j // size + 1) * size) for j in range(n)]
+
+
+register(Cdlm())

@@ -5,47 +5,66 @@ Threshold decoding, like cdlm."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.dlm_modes.base import (
+    DecodeContext,
     DecodingMode,
     bidirectional_reach,
     cached_forward,
     fused_forward,
 )
+from engine.dlm_modes.registry import register
 from engine.dlm_sequence import BlockPass, DLMSequence
 from models.attention import AttentionPattern
 
-if TYPE_CHECKING:
-    from engine.dlm_engine import DLMEngine
+
+@dataclass(slots=True)
+class FastDllmState:
+    refresh: bool = True  # the next pass is a full refresh of the cache
 
 
 class FastDllm(DecodingMode):
     name = "fast_dllm"
 
+    def new_state(self) -> FastDllmState:
+        return FastDllmState()
+
     def plan(self, seq: DLMSequence) -> BlockPass:
         p = len(seq.prompt)
         full = torch.cat([torch.tensor(seq.prompt, device=seq.answer.device), seq.answer])
-        if not seq.refresh:
+        if not seq.state.refresh:
             return BlockPass(seq, full[p + seq.block_start :], 0, 0)
         # A refresh: the whole sequence, committing everything before the current block.
         return BlockPass(seq, full, p + seq.block_start, p + seq.block_start)
 
-    def forward(self, engine: DLMEngine, passes: list[BlockPass]) -> Tensor:
-        cache = engine.cache_for(self.name, 0)
+    def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
+        cache = ctx.cache(self.name, 0)
         for p in passes:
-            if p.seq.refresh:
+            if p.seq.state.refresh:
                 cache.reset(p.seq.row)
-        fused = fused_forward(engine, passes, cache, bidirectional_reach)
+        fused = fused_forward(ctx, passes, cache, bidirectional_reach)
         if fused is not None:
             return fused
-        return cached_forward(engine, self.name, passes, AttentionPattern.bidirectional())
+        return cached_forward(ctx, self.name, passes, AttentionPattern.bidirectional())
 
     def after_pass(self, seq: DLMSequence) -> None:
-        seq.refresh = False
+        seq.state.refresh = False
 
     def next_block(self, seq: DLMSequence) -> None:
-        seq.refresh = True
+        seq.state.refresh = True
+
+    def forced_choice(
+        self, ctx: DecodeContext, seq: DLMSequence, masked: Tensor, step: int
+    ) -> Tensor | None:
+        if ctx.schedule == "dream" and step == 0:
+            # Fast-dLLM's Dream decoder: a block's first pass (the full refresh) finalizes its
+            # first position alone, whatever the confidences; the later passes decide the rest.
+            return torch.arange(masked.shape[0], device=masked.device) == 0
+        return None
+
+
+register(FastDllm())
