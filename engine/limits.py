@@ -38,10 +38,10 @@ def ar_problem(
         return LimitProblem("prompt is empty", "prompt")
     room = limit - history - prompt
     wanted = room if max_tokens is None else max_tokens
-    if wanted < 1:
-        return LimitProblem("max_tokens must be at least 1", "max_tokens")
     if room < 1 or (wanted > room and not clamp):
         return context_problem(limit, history + prompt, wanted)
+    if wanted < 1:
+        return LimitProblem("max_tokens must be at least 1", "max_tokens")
     return None
 
 
@@ -61,10 +61,10 @@ def dlm_problem(
         return LimitProblem("block_size must be >= 1", "block_size")
     room = limit - prompt
     wanted = room if max_tokens is None else max_tokens
+    if room < 1 or wanted > room:
+        return context_problem(limit, prompt, wanted)
     if wanted < 1:
         return LimitProblem("max_tokens must be at least 1", "max_tokens")
-    if wanted > room:
-        return context_problem(limit, prompt, wanted)
     answer = dlm_answer_length(wanted, block_size)
     if answer > room:
         return context_problem(limit, prompt, answer, ", max_tokens rounded up to whole blocks")

@@ -54,6 +54,7 @@ class ServedModel:
     thread: EngineThread  # the engine runs on it; model work goes through it too
     created: int
     max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
+    chat_template: str | None = None  # the tokenizer's, if it has one (else no chat route)
     # Compaction budgets measured for this model (engine/budget_schedules/), if any shipped.
     budget_schedule: list[list[float]] | None = None
 
@@ -154,5 +155,6 @@ def load_served_model(
         thread=thread,
         created=int(time.time()),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
+        chat_template=getattr(tokenizer, "chat_template", None),  # tokenizers without one
         budget_schedule=compaction_budgets.load_schedule(spec, ckpt.config),
     )

@@ -27,7 +27,7 @@ from server.streaming import StreamHead, framed
 
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
-    if not getattr(served.tokenizer, "chat_template", None):
+    if not served.chat_template:
         raise APIError(
             400,
             f"model {served.name!r} has no chat template; use /v1/completions",

@@ -6,26 +6,24 @@ at once so the engine batches them (`run_choices`), and counted for usage and me
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.dlm_engine import DLMParams
+from engine import limits
+from engine.dlm_engine import DLMEngine, DLMParams
 from engine.engine_thread import QueueFull
 from engine.interface import EngineOutput
 from engine.sampling import SamplingParams
 from engine.served_model import ServedModel
 from engine.session_store import Session
-from engine.unmasking import DREAM_ALGS, LLADA_REMASKING, steps_problem
+from engine.unmasking import DREAM_ALGS, LLADA_REMASKING
 from server.errors import APIError
 from server.metrics import Metrics
 from server.request_limits import MAX_CHOICES
-from server.schemas import CompletionRequest
-
-DLM_OPTIONS = ("decoding", "block_size", "threshold", "steps", "alg", "alg_temp", "remasking")
+from server.schemas import DLM_OPTIONS, CompletionRequest, GenerationRequest
 
 
 @dataclass(slots=True)
@@ -56,12 +54,14 @@ class UsageCount:
 
 
 # ---- planning --------------------------------------------------------------------------------
-def reject_unsupported(served: ServedModel, req: Any, unsupported: dict[str, bool]) -> None:
+def reject_unsupported(
+    served: ServedModel, req: GenerationRequest, unsupported: dict[str, bool]
+) -> None:
     if served.is_diffusion:
         if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
             unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
     else:
-        unsupported |= {k: getattr(req, k, None) is not None for k in DLM_OPTIONS}
+        unsupported |= dict.fromkeys(req.dlm_options_set(), True)
     for param, used in unsupported.items():
         if used:
             reason = "only for diffusion models" if param in DLM_OPTIONS else "by this server yet"
@@ -106,18 +106,18 @@ def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
     return out
 
 
-def _context_error(limit: int, prompt: int, wanted: int, note: str = "") -> APIError:
-    return APIError(
-        400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the completion{note}). "
-        "Please reduce the prompt or max_tokens.",
-        param="max_tokens",
-        code="context_length_exceeded",
-    )
+def _refuse(problem: limits.LimitProblem | None) -> None:
+    if problem is not None:
+        raise APIError(400, problem.message, param=problem.param, code=problem.code)
 
 
-def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, logprobs: int | None):
+def _params(
+    served: ServedModel,
+    req: GenerationRequest,
+    max_tokens: int,
+    seed: int | None,
+    logprobs: int | None,
+) -> SamplingParams | DLMParams:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
     stop = list(req.stop or [])
@@ -132,6 +132,7 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
             ignore_eos=req.ignore_eos,
         )
     engine = served.engine
+    assert isinstance(engine, DLMEngine)  # a diffusion model's
     if req.alg is not None and req.remasking is not None:
         raise APIError(400, "alg (Dream's) and remasking (LLaDA's) are alternatives", param="alg")
     confidence = (
@@ -140,7 +141,7 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
         else LLADA_REMASKING[req.remasking or "low_confidence"]
     )
     # The references' options mean their decoder: vanilla unless the request says otherwise.
-    reference = any(getattr(req, k) is not None for k in ("steps", "alg", "remasking"))
+    reference = req.steps is not None or req.alg is not None or req.remasking is not None
     return DLMParams(
         max_tokens=max_tokens,
         decoding=req.decoding or ("vanilla" if reference else "cdlm"),
@@ -160,7 +161,7 @@ def _params(served: ServedModel, req: Any, max_tokens: int, seed: int | None, lo
 
 def plan_choices(
     served: ServedModel,
-    req: Any,
+    req: GenerationRequest,
     prompts: list[tuple[list[int], str]],
     max_tokens: int | None,
     logprobs: int | None,
@@ -174,23 +175,18 @@ def plan_choices(
         )
     choices = []
     for i, (ids, text) in enumerate(prompts):
-        room = limit - len(ids)
-        wanted = max_tokens if max_tokens is not None else room
-        if wanted > room or room < 1:
-            raise _context_error(limit, len(ids), wanted)
+        _refuse(limits.ar_problem(len(ids), max_tokens, 0, limit))
+        wanted = max_tokens if max_tokens is not None else limit - len(ids)
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
             params = _params(served, req, wanted, seed, logprobs)
             if isinstance(params, DLMParams):
-                # The engine decodes whole blocks: the rounded-up budget must fit too.
-                budget = math.ceil(wanted / params.block_size) * params.block_size
-                if budget > room:
-                    raise _context_error(
-                        limit, len(ids), budget, ", max_tokens rounded up to whole blocks"
+                # The engine decodes whole blocks: the rounded-up answer must fit too.
+                _refuse(
+                    limits.dlm_problem(
+                        len(ids), wanted, params.block_size, params.steps, served.max_model_len
                     )
-                problem = params.steps and steps_problem(params.steps, params.block_size, budget)
-                if problem:
-                    raise APIError(400, problem, param="steps")
+                )
             choices.append(Choice(i * req.n + j, ids, text, params))
     return choices
 
@@ -221,10 +217,10 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Session) 
     ((ids, text),) = prompt_ids(served, req.prompt)
     if session.next_input is not None:
         ids = [session.next_input, *ids]
-    room = served.max_model_len - session.logical_length - len(ids)
+    history = session.logical_length
+    _refuse(limits.ar_problem(len(ids), req.max_tokens, history, served.max_model_len))
+    room = served.max_model_len - history - len(ids)
     wanted = req.max_tokens if req.max_tokens is not None else room
-    if wanted > room or room < 1:
-        raise _context_error(served.max_model_len, session.logical_length + len(ids), wanted)
     params = _params(served, req, wanted, req.seed, None)
     return [Choice(0, ids, text, params, session, req.append)]
 

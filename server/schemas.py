@@ -21,6 +21,8 @@ def session_id_field():  # the one rule (engine.session_store), as a schema patt
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+# The request fields only diffusion models take.
+DLM_OPTIONS = ("decoding", "block_size", "threshold", "steps", "alg", "alg_temp", "remasking")
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +64,10 @@ class GenerationRequest(BaseModel):
     alg: Literal["maskgit_plus", "topk_margin", "entropy", "origin"] | None = None
     alg_temp: float | None = Field(None, ge=0.0, le=100.0)
     remasking: Literal["low_confidence", "random"] | None = None
+
+    def dlm_options_set(self) -> list[str]:
+        """The diffusion-only options this request sets (an AR model refuses them)."""
+        return list(self.model_dump(include=set(DLM_OPTIONS), exclude_none=True))
 
     @field_validator("decoding")
     @classmethod
