@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engine.served_model import ServedModel
+from server import streaming
 from server.errors import APIError
 from server.metrics import Metrics
 from server.planning import (
@@ -23,7 +24,7 @@ from server.planning import (
     usage,
 )
 from server.schemas import ChatCompletionRequest
-from server.streaming import StreamHead, framed
+from server.streaming import StreamHead
 
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
@@ -124,11 +125,17 @@ def stream(
     req: ChatCompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
+    before_done: Callable[[], Awaitable[APIError | None]] | None = None,
 ) -> AsyncIterator[str]:
     head = StreamHead.new(served, req, "chat.completion.chunk", "chatcmpl")
-    tally = UsageCount()
-    return framed(
-        served, req, choices, metrics, head, tally, _chunks(served, req, choices, head, tally)
+    return streaming.stream(
+        served,
+        req,
+        choices,
+        metrics,
+        head,
+        lambda head, tally: _chunks(served, req, choices, head, tally),
+        before_done,
     )
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import model_work
 from engine.served_model import ServedModel
+from server import streaming
+from server.errors import APIError
 from server.metrics import Metrics
 from server.planning import (
     Choice,
@@ -23,7 +25,7 @@ from server.planning import (
     usage,
 )
 from server.schemas import CompletionRequest
-from server.streaming import StreamHead, framed
+from server.streaming import StreamHead
 
 
 # ---- logprobs in the legacy completions shape -------------------------------------------------
@@ -129,11 +131,17 @@ def stream(
     req: CompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
+    before_done: Callable[[], Awaitable[APIError | None]] | None = None,
 ) -> AsyncIterator[str]:
     head = StreamHead.new(served, req, "text_completion", "cmpl")
-    tally = UsageCount()
-    return framed(
-        served, req, choices, metrics, head, tally, _chunks(served, req, choices, head, tally)
+    return streaming.stream(
+        served,
+        req,
+        choices,
+        metrics,
+        head,
+        lambda head, tally: _chunks(served, req, choices, head, tally),
+        before_done,
     )
 
 

@@ -26,7 +26,7 @@ from engine.session_mirror import MirrorError
 from engine.session_store import Session, SessionError
 from server import completions, planning, streaming
 from server.compactions import after_append, compact
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.schemas import CompactRequest, CompletionRequest, SessionCreateRequest
 from server.session_access import (
     acquire,
@@ -125,13 +125,15 @@ async def _continuation(
             await persist(store, session)
             yield body
             return
-        done = streaming.sse("[DONE]")
-        async for chunk in completions.stream(served, req, choices, state.metrics):
-            if chunk == done:  # committed before the client hears it is done
-                try:
-                    await persist(store, session)
-                except APIError as e:
-                    yield streaming.sse(error_body(e.status, e.message, e.param))
+
+        async def commit() -> APIError | None:  # before the client hears it is done
+            try:
+                await persist(store, session)
+            except APIError as e:
+                return e
+            return None
+
+        async for chunk in completions.stream(served, req, choices, state.metrics, commit):
             yield chunk
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,25 @@ class StreamHead:
         return sse(body)
 
 
-async def framed(
+# A stream's body: (its head, the tally to count into) -> the chunks of its choices.
+Chunks = Callable[[StreamHead, UsageCount], AsyncIterator[str]]
+
+
+def stream(
+    served: ServedModel,
+    req: Any,
+    choices: list[Choice],
+    metrics: Metrics | None,
+    head: StreamHead,
+    chunks: Chunks,
+    before_done: Callable[[], Awaitable[APIError | None]] | None = None,
+) -> AsyncIterator[str]:
+    """One stream, completions and chat alike: `chunks`, then its end (`_framed`)."""
+    tally = UsageCount()
+    return _framed(served, req, choices, metrics, head, tally, chunks(head, tally), before_done)
+
+
+async def _framed(
     served: ServedModel,
     req: Any,
     choices: list[Choice],
@@ -79,10 +97,12 @@ async def framed(
     head: StreamHead,
     tally: UsageCount,
     chunks: AsyncIterator[str],
+    before_done: Callable[[], Awaitable[APIError | None]] | None,
 ) -> AsyncIterator[str]:
     """A stream's chunks, then its end: an error becomes an error event, usage is counted and
     recorded even when the client goes away (the generator is closed: an abort), then the
-    usage chunk if it was asked for, then [DONE]."""
+    usage chunk if it was asked for, then `before_done()` (a session's commit: the client must
+    not hear [DONE] before it; an error it returns becomes an error event), then [DONE]."""
     started = time.perf_counter()
     try:
         async for chunk in chunks:
@@ -94,4 +114,8 @@ async def framed(
         record(metrics, served, body, tally, started, len(choices))
     if head.include_usage:
         yield sse({**head.body([]), "usage": body})
+    if before_done is not None:
+        error = await before_done()
+        if error is not None:
+            yield sse(error_body(error.status, error.message, error.param, error.code))
     yield sse("[DONE]")
