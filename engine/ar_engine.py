@@ -1,13 +1,12 @@
 """Autoregressive generation with continuous batching.
 
-Each running sequence owns one row of a shared KV cache. A step hands the model one token for
-every decoding sequence and chunks of the prompts still being prefilled (`prefill_tokens` per
-step at most: chunked prefill, so a long prompt never stalls the others for more than one
-chunk), in one call (`Transformer.extend`, which picks the fused CPU step or the PyTorch path
-itself), and samples a token for every decoding row and every prompt just completed.
-Finished sequences leave between steps; the last row moves into the freed one so the active
-rows stay contiguous. A sequence may continue from a session's cache (copied into its row when
-it is admitted) and write its answer back into it.
+Each running sequence owns one row of a shared KV cache (rows, admission, aborts and retiring:
+`engine.scheduler`). A step hands the model one token for every decoding sequence and chunks
+of the prompts still being prefilled (`prefill_tokens` per step at most: chunked prefill, so a
+long prompt never stalls the others for more than one chunk), in one call
+(`ModelRunner.extend`, which picks the fused CPU step or the PyTorch path), and samples a
+token for every decoding row and every prompt just completed. A sequence may continue from a
+session's cache (copied into its row when it is admitted) and write its answer back into it.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from engine import limits
 from engine.interface import EngineOutput, TokenLogprob
+from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, eos_token_ids, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.text_output import TextAssembler
@@ -85,6 +85,7 @@ class AREngine:
         prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
     ):
         self.model = model
+        self.runner = ModelRunner(model)
         self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -99,7 +100,7 @@ class AREngine:
         self.cache: KVCache | None = None
         # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
         # SmolLM2) rather than inside the first request; None where it does not apply.
-        kernels.decode_stack(model)
+        self.runner.stack()
 
     # ---- requests --------------------------------------------------------------------------
     def new_sequence(
@@ -185,7 +186,8 @@ class AREngine:
         if self.running:
             assert self.cache is not None  # every running row has one
             seqs, chunks = self._plan()
-            logits = self.model.logits(self.model.extend(chunks, self.cache))  # [len(chunks), V]
+            hidden = self.runner.extend(chunks, self.cache)  # [len(chunks), hidden]
+            logits = self.model.logits(hidden)  # [len(chunks), V]
             for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
                 if seq.prefilled == len(seq.prompt):  # a decode step
                     outputs.append(self._accept(seq, logits[i]))

@@ -31,6 +31,7 @@ from engine import limits
 from engine.dlm_modes import MODES, DecodeContext
 from engine.dlm_sequence import BlockPass, DLMParams, DLMSequence
 from engine.interface import EngineOutput
+from engine.model_runner import ModelRunner
 from engine.sampling import _top_p_filter, eos_token_ids, make_generator, tempered_softmax
 from engine.scheduler import Scheduler
 from engine.text_output import TextAssembler
@@ -83,7 +84,7 @@ class DLMEngine:
         # Called with (sequence, block logits [B, V]) at every step; for tests and tracing.
         self.on_step: Callable[[DLMSequence, Tensor], None] | None = None
         self.context = DecodeContext(
-            model=model,
+            runner=ModelRunner(model),
             mask_id=self.mask_id,
             shift=self.shift,
             schedule=self.schedule,

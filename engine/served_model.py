@@ -17,11 +17,12 @@ from engine.core_share import CoreShare
 from engine.dlm_engine import DLMEngine
 from engine.dlm_sequence import DLMSequence
 from engine.engine_thread import EngineThread
+from engine.model_runner import FUSED_PREFILL_TOKENS
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
 from models.sources import resolve
-from models.transformer import FUSED_PREFILL_TOKENS, Transformer
+from models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

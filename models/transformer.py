@@ -20,26 +20,6 @@ from models.kv_cache import KVCache
 from models.layers import Block, Linear, Pace, RMSNorm
 from models.rope import RotaryTable, inverse_frequencies
 
-# Up to this many prompt tokens per step are prefilled inside the fused CPU step (`extend`);
-# longer prompts take the PyTorch path. Measured on SmolLM2, one prompt, 2 cores: fused vs
-# PyTorch 22 vs 91 ms at 20 tokens, 84 vs 102 at 128, 220 vs 175 at 256 (the fused attention
-# is a plain per-query loop; SDPA wins on long prompts).
-FUSED_PREFILL_TOKENS = 128
-
-
-def _runs(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[list[tuple[int, Sequence[int]]]]:
-    """Chunks grouped into runs of consecutive rows that are all decode steps (one token) or
-    all prompts, in order."""
-    runs: list[list[tuple[int, Sequence[int]]]] = []
-    for row, tokens in chunks:
-        last = runs[-1][-1] if runs else None
-        if last is not None and row == last[0] + 1 and (len(tokens) == 1) == (len(last[1]) == 1):
-            runs[-1].append((row, tokens))
-        else:
-            runs.append([(row, tokens)])
-    return runs
-
-
 # Per-layer query lists: capture[layer] receives each forward's post-RoPE queries [B, H, Q, D].
 QueryCapture = list[list[Tensor]]
 
@@ -158,39 +138,6 @@ class Transformer(nn.Module):
         cache.ensure_capacity(max(cache.lengths[rows[0] : rows[1]]) + q_len)
         return cache.rows(*rows)
 
-    def extend(self, chunks: Sequence[tuple[int, Sequence[int]]], cache: KVCache) -> Tensor:
-        """Append new tokens to rows of `cache` and commit them: the engines' one entry for a
-        step. Returns the final hidden state of each chunk's last token [len(chunks), hidden].
-
-        chunks: (row, token ids) pairs, rows distinct; one id is a decode step, several are a
-        prompt (causal within itself, after the row's committed slots). The fused CPU step
-        takes them all in one call where it applies (bf16 on a CPU with AVX512-BF16) and the
-        prompts are short enough (`FUSED_PREFILL_TOKENS` together: its attention is a plain
-        per-query loop, SDPA wins on long prompts); elsewhere the PyTorch path runs one
-        forward per run of consecutive rows of one kind (decode steps, or padded prompts)."""
-        prompts = sum(len(tokens) for _, tokens in chunks if len(tokens) > 1)
-        if prompts <= FUSED_PREFILL_TOKENS:
-            hidden = self.fused_step(chunks, cache)
-            if hidden is not None:
-                return hidden
-        return torch.cat([self._extend_run(run, cache) for run in _runs(chunks)])
-
-    def _extend_run(self, run: list[tuple[int, Sequence[int]]], cache: KVCache) -> Tensor:
-        """PyTorch path of `extend` for chunks on consecutive rows: one padded forward."""
-        device, width = self.device, max(len(tokens) for _, tokens in run)
-        ids = torch.zeros(len(run), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(run), width, dtype=torch.bool, device=device)
-        for i, (_, tokens) in enumerate(run):
-            ids[i, : len(tokens)] = torch.tensor(list(tokens), device=device)
-            valid[i, : len(tokens)] = True
-        ragged = any(len(tokens) != width for _, tokens in run)
-        first = run[0][0]
-        hidden = self(
-            ids, cache=cache, rows=(first, first + len(run)), valid=valid if ragged else None
-        )  # [k, W, hidden]
-        last = torch.tensor([len(tokens) - 1 for _, tokens in run], device=device)
-        return hidden[torch.arange(len(run), device=device), last]
-
     def forward_stages(
         self,
         input_ids: Tensor,
@@ -279,71 +226,6 @@ class Transformer(nn.Module):
         )
         cache.commit(self._commit_counts(commit, 1, batch, None))
         return hidden.view(batch, 1, -1)
-
-    def fused_step(
-        self, chunks: Sequence[tuple[int, Sequence[int]]], cache: KVCache
-    ) -> Tensor | None:
-        """Append new tokens to several rows of `cache` in one fused C++ call and commit them.
-
-        chunks: (row, token ids) pairs, rows distinct; one id is a decode step, several are a
-        prompt (causal within itself, after the row's committed slots), and decode rows and
-        prompts share the call, so the weights stream from memory once for all of them.
-        Returns the final hidden state of each chunk's last token [len(chunks), hidden], or
-        None where the fused kernels do not apply (GPU, fp32, ...): use forward() then.
-        """
-        rows: list[int] = []
-        slots: list[int] = []
-        ids: list[int] = []
-        last: list[int] = []  # index of each chunk's last token
-        for row, tokens in chunks:
-            rows += [row] * len(tokens)
-            slots += range(cache.lengths[row], cache.lengths[row] + len(tokens))
-            ids += tokens
-            last.append(len(ids) - 1)
-        hidden = self.fused_tokens(ids, rows, slots, [s + 1 for s in slots], cache)
-        if hidden is None:
-            return None
-        counts = [0] * cache.batch
-        for row, tokens in chunks:
-            counts[row] = len(tokens)
-        cache.commit(counts)
-        return hidden[last]
-
-    def fused_tokens(
-        self,
-        ids: Sequence[int],
-        rows: Sequence[int],
-        slots: Sequence[int],
-        attend: Sequence[int],
-        cache: KVCache,
-    ) -> Tensor | None:
-        """The fused C++ step over arbitrary new tokens, committing nothing: token t (id
-        ids[t]) of cache row rows[t] writes its K/V to slot slots[t] and attends to that row's
-        slots [0, attend[t]); its RoPE position is the row's logical length plus its offset
-        past the committed slots. attend = slots + 1 is causal (decode, prompts); a block whose
-        tokens all attend to its end is bidirectional within itself (diffusion blocks).
-        Returns hidden states [T, hidden], or None where the fused kernels do not apply."""
-        stack = kernels.decode_stack(self)
-        if stack is None:
-            return None
-        positions = [
-            cache.logical[r] + s - cache.lengths[r] for r, s in zip(rows, slots, strict=True)
-        ]
-        cache.ensure_capacity(max(max(slots) + 1, max(attend)))
-        device, d = self.device, self.config.head_dim
-        cos, sin = self.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
-        x = self.embed_tokens(torch.tensor(list(ids), device=device))  # [T, hidden]
-        return stack.forward(
-            x,
-            cache.keys,
-            cache.values,
-            cache.biases,
-            list(rows),
-            list(slots),
-            list(attend),
-            cos.reshape(-1, d).contiguous(),  # [T, D]
-            sin.reshape(-1, d).contiguous(),
-        )
 
     def _rope_for(
         self,

@@ -7,6 +7,7 @@ import torch
 
 import tiny_models
 from cpu_features import skip_unless
+from engine.model_runner import ModelRunner
 from models import kernels
 from models.loading import load_model
 
@@ -291,7 +292,10 @@ def test_fused_step_mixes_decode_rows_and_prompts(model, stack_kind):
     ]
     with torch.inference_mode():
         cache = prepared()
-        fused = [model.logits(model.fused_step(chunks, cache)).float() for chunks in steps]
+        runner = ModelRunner(model)
+        stack = runner.stack()
+        assert stack is not None
+        fused = [model.logits(runner.fused_step(stack, c, cache)).float() for c in steps]
         fused_lengths = (cache.lengths, cache.logical)
         cache = prepared()
         with kernels.cpu_kernels(False):
@@ -337,14 +341,11 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
     model = load_model(resolve(shipped), dtype=BF16)[0]
     problems = TASKS["trace4"].held_out()[:8]
     fused_calls = []
-    real = model.fused_tokens
+    real = ModelRunner.fused_tokens
 
-    def counted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        fused_calls.append(out is not None)
-        return out
-
-    model.fused_tokens = counted
+    def counted(self, *args, **kwargs):
+        fused_calls.append(self.model is model)
+        return real(self, *args, **kwargs)
 
     def run():
         fused_calls.clear()
@@ -364,9 +365,14 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
                 steps[int(out.request_id)] = out.steps
         return text, steps, list(fused_calls), engine.forward_passes, seen
 
-    (fast, fast_steps, fast_calls, passes, fast_seen), (ref, ref_steps, ref_calls, _, ref_seen) = (
-        both(run)
-    )
+    ModelRunner.fused_tokens = counted  # every engine's runner counts its fused passes
+    try:
+        (
+            (fast, fast_steps, fast_calls, passes, fast_seen),
+            (ref, ref_steps, ref_calls, _, ref_seen),
+        ) = both(run)
+    finally:
+        ModelRunner.fused_tokens = real
     # Wherever both paths reached the same state, their logits agree to bf16 rounding.
     same = [k for k in fast_seen if k in ref_seen and torch.equal(fast_seen[k][0], ref_seen[k][0])]
     assert len(same) >= len(ref_seen) // 2, (len(same), len(ref_seen))
@@ -374,9 +380,9 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
         err = _rel(fast_seen[k][1], ref_seen[k][1])
         assert err < 0.05, (k, err)  # a token hidden from the others: 0.5
     # Every step ran fused with the kernels on (cdlm's prompt prefills, one per admission, run
-    # through PyTorch), none without.
+    # through PyTorch), none without: the runner decides, nothing is tried and fallen back from.
     assert all(fast_calls) and len(fast_calls) >= passes - len(problems), (len(fast_calls), passes)
-    assert not any(ref_calls)
+    assert not ref_calls
     pairs = list(zip(fast, ref, strict=True))
     assert sum(a == b for a, b in pairs) >= 7, pairs
     assert abs(sum(fast_steps) - sum(ref_steps)) <= 2

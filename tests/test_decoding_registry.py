@@ -40,7 +40,7 @@ class OnePass(DecodingMode):
 
     def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
         tokens, valid = padded_tokens(ctx, passes)
-        return ctx.model(tokens, pattern=AttentionPattern.bidirectional(), valid=valid)
+        return ctx.runner.forward(tokens, pattern=AttentionPattern.bidirectional(), valid=valid)
 
     def after_pass(self, seq: DLMSequence) -> None:
         seq.state.passes += 1

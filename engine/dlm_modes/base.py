@@ -1,8 +1,8 @@
 """What a decoding mode of the diffusion engine decides; `DLMEngine` does everything else
 (admission, batching per mode, choosing which masked tokens a step finalizes, text).
 
-A mode sees the engine only through a `DecodeContext`: the model, the mask id, its own KV
-cache, a scratch cache, and a counter of forward passes. It owns its per-sequence state
+A mode sees the engine only through a `DecodeContext`: the model runner, the mask id, its own
+KV cache, a scratch cache, and a counter of forward passes. It owns its per-sequence state
 (`new_state`, kept in `DLMSequence.state`)."""
 
 from __future__ import annotations
@@ -15,19 +15,10 @@ import torch
 from torch import Tensor
 
 from engine.dlm_sequence import BlockPass, DLMSequence
+from engine.model_runner import ModelRunner
 from engine.unmasking import Schedule
 from models.attention import AttentionPattern
 from models.kv_cache import KVCache
-from models.transformer import Transformer
-
-# Steps of up to this many tokens (all rows together) run through the fused C++ step where it
-# applies (bf16 on AVX512-BF16 CPUs), longer ones through PyTorch. Measured here (bf16, 2 cores,
-# one row of T new bidirectional tokens, 0 or 64 cached): fused / PyTorch time at T = 128 /
-# 192 / 256 was 0.71-0.75 / 0.90-0.95 / 1.03-1.04 on the shipped teacher (d 256, 6 layers),
-# 0.87-0.90 / 0.97 / 0.98-1.07 on a d 512, 8-layer LLaDA, 0.72-0.86 / 0.84-0.99 / 0.87-1.09 on
-# SmolLM2's shapes (d 576, 30 layers): the fused step's per-row matmuls and per-query attention
-# lose to GEMMs past ~200 tokens, whatever the decoding mode.
-FUSED_STEP_TOKENS = 192
 
 # How far each token of a pass sees: (the pass, the row's committed slots, its token count) ->
 # one count per token, of the row's slots [0, count) it attends to.
@@ -38,7 +29,7 @@ Reach = Callable[[BlockPass, int, int], list[int]]
 class DecodeContext:
     """What a mode may use of the engine that runs it."""
 
-    model: Transformer
+    runner: ModelRunner  # the model, and the fused-or-PyTorch choice for a pass
     mask_id: int
     shift: bool  # logits are shifted (Dream): hidden state i - 1 predicts position i
     schedule: Schedule  # the model family's step schedule ("dream" or "llada")
@@ -91,7 +82,7 @@ class DecodingMode:
 def padded_tokens(ctx: DecodeContext, passes: list[BlockPass]) -> tuple[Tensor, Tensor | None]:
     """The passes' tokens right-padded with the mask id [n, Qmax], and which are real [n, Qmax]
     (None when none is padding)."""
-    device = ctx.model.device
+    device = ctx.runner.device
     n, q_max = len(passes), max(p.tokens.shape[0] for p in passes)
     tokens = torch.full((n, q_max), ctx.mask_id, dtype=torch.long, device=device)
     valid = torch.zeros(n, q_max, dtype=torch.bool, device=device)
@@ -106,13 +97,13 @@ def cached_forward(
 ) -> Tensor:
     """The passes on rows 0..n-1 of the mode's cache, one padded forward; each row commits its
     pass's `commit` first tokens (and writes Qmax scratch slots, its padding too)."""
-    device, n = ctx.model.device, len(passes)
+    device, n = ctx.runner.device, len(passes)
     tokens, valid = padded_tokens(ctx, passes)
     cache = ctx.cache(mode, 0)
     positions = torch.tensor(cache.logical[:n], device=device).view(n, 1) + torch.arange(
         tokens.shape[1], device=device
     )
-    return ctx.model(
+    return ctx.runner.forward(
         tokens,
         cache=cache,
         rows=(0, n),
@@ -139,16 +130,19 @@ def bidirectional_reach(p: BlockPass, base: int, n: int) -> list[int]:
     return [base + n] * n
 
 
+def fused_stack(passes: list[BlockPass], ctx: DecodeContext) -> Any | None:
+    """The fused step for these passes, or None where they take the PyTorch path (no fused
+    kernels here, or more than `FUSED_STEP_TOKENS` tokens together)."""
+    return ctx.runner.fits_fused_pass(sum(p.tokens.shape[0] for p in passes))
+
+
 def fused_forward(
-    ctx: DecodeContext, passes: list[BlockPass], cache: KVCache, reach: Reach
-) -> Tensor | None:
-    """The passes through the fused C++ step (bf16 on CPUs with AVX512-BF16): pass i's tokens
-    go to row passes[i].seq.row after its committed slots, each attending as `reach` says; then
-    each row commits its pass's `commit` first tokens. Returns hidden [n, Qmax, hidden] like
-    the padded PyTorch forward (padding zero), or None where the fused kernels do not apply
-    or the step is longer than FUSED_STEP_TOKENS."""
-    if sum(p.tokens.shape[0] for p in passes) > FUSED_STEP_TOKENS:
-        return None
+    ctx: DecodeContext, stack: Any, passes: list[BlockPass], cache: KVCache, reach: Reach
+) -> Tensor:
+    """The passes through the fused C++ step (`fused_stack`): pass i's tokens go to row
+    passes[i].seq.row after its committed slots, each attending as `reach` says; then each row
+    commits its pass's `commit` first tokens. Returns hidden [n, Qmax, hidden] like the padded
+    PyTorch forward (padding zero)."""
     ids: list[int] = []
     owners: list[int] = []
     slots: list[int] = []
@@ -160,9 +154,7 @@ def fused_forward(
         owners += [row] * n
         slots += range(base, base + n)
         attend += reach(p, base, n)
-    flat = ctx.model.fused_tokens(ids, owners, slots, attend, cache)  # [T, hidden]
-    if flat is None:
-        return None
+    flat = ctx.runner.fused_tokens(stack, ids, owners, slots, attend, cache)  # [T, hidden]
     q_max = max(p.tokens.shape[0] for p in passes)
     hidden = flat.new_zeros(len(passes), q_max, flat.shape[-1])
     start = 0

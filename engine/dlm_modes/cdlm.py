@@ -17,6 +17,7 @@ from engine.dlm_modes.base import (
     block_causal,
     cached_forward,
     fused_forward,
+    fused_stack,
 )
 from engine.dlm_modes.registry import register
 from engine.dlm_sequence import BlockPass, DLMSequence
@@ -36,7 +37,7 @@ class Cdlm(DecodingMode):
     def admit(self, ctx: DecodeContext, seqs: list[DLMSequence]) -> None:
         """Prefill the new sequences' prompts (each one bidirectional block) into their cache
         rows, all in one forward."""
-        model, device = ctx.model, ctx.model.device
+        runner, device = ctx.runner, ctx.runner.device
         needed = max(len(s.prompt) + s.gen_len + 2 * s.block_size for s in seqs)
         cache = ctx.cache(self.name, needed)
         width = max(len(s.prompt) for s in seqs)
@@ -48,7 +49,7 @@ class Cdlm(DecodingMode):
             valid[i, : len(s.prompt)] = True
         ragged = any(len(s.prompt) != width for s in seqs)
         first = seqs[0].row  # admitted together: consecutive rows
-        hidden = model(
+        hidden = runner.forward(
             ids,
             cache=cache,
             rows=(first, first + len(seqs)),
@@ -59,7 +60,7 @@ class Cdlm(DecodingMode):
         for i, s in enumerate(seqs):
             s.steps += 1  # reported steps are forward passes, the prefill included
             if ctx.shift:
-                s.first_logits = model.logits(hidden[i, len(s.prompt) - 1]).float()
+                s.first_logits = runner.logits(hidden[i, len(s.prompt) - 1]).float()
 
     def plan(self, seq: DLMSequence) -> BlockPass:
         size, start = seq.block_size, seq.block_start
@@ -71,10 +72,10 @@ class Cdlm(DecodingMode):
 
     def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
         cache = ctx.cache(self.name, 0)
-        fused = fused_forward(ctx, passes, cache, _block_causal_reach)
-        if fused is not None:
-            return fused
-        pattern = block_causal([p.seq for p in passes], ctx.model.device)
+        stack = fused_stack(passes, ctx)
+        if stack is not None:
+            return fused_forward(ctx, stack, passes, cache, _block_causal_reach)
+        pattern = block_causal([p.seq for p in passes], ctx.runner.device)
         return cached_forward(ctx, self.name, passes, pattern)
 
     def after_pass(self, seq: DLMSequence) -> None:

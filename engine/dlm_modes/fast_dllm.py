@@ -16,6 +16,7 @@ from engine.dlm_modes.base import (
     bidirectional_reach,
     cached_forward,
     fused_forward,
+    fused_stack,
 )
 from engine.dlm_modes.registry import register
 from engine.dlm_sequence import BlockPass, DLMSequence
@@ -46,9 +47,9 @@ class FastDllm(DecodingMode):
         for p in passes:
             if p.seq.state.refresh:
                 cache.reset(p.seq.row)
-        fused = fused_forward(ctx, passes, cache, bidirectional_reach)
-        if fused is not None:
-            return fused
+        stack = fused_stack(passes, ctx)
+        if stack is not None:
+            return fused_forward(ctx, stack, passes, cache, bidirectional_reach)
         return cached_forward(ctx, self.name, passes, AttentionPattern.bidirectional())
 
     def after_pass(self, seq: DLMSequence) -> None:

@@ -11,6 +11,7 @@ from engine.dlm_modes.base import (
     DecodingMode,
     bidirectional_reach,
     fused_forward,
+    fused_stack,
     padded_tokens,
 )
 from engine.dlm_modes.registry import register
@@ -28,12 +29,12 @@ class Vanilla(DecodingMode):
         return BlockPass(seq, full, 0, offset)
 
     def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
-        scratch = ctx.scratch(max(p.tokens.shape[0] for p in passes))
-        fused = fused_forward(ctx, passes, scratch, bidirectional_reach)
-        if fused is not None:
-            return fused
+        stack = fused_stack(passes, ctx)
+        if stack is not None:
+            scratch = ctx.scratch(max(p.tokens.shape[0] for p in passes))
+            return fused_forward(ctx, stack, passes, scratch, bidirectional_reach)
         tokens, valid = padded_tokens(ctx, passes)
-        return ctx.model(tokens, pattern=AttentionPattern.bidirectional(), valid=valid)
+        return ctx.runner.forward(tokens, pattern=AttentionPattern.bidirectional(), valid=valid)
 
 
 register(Vanilla())
