@@ -9,29 +9,18 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
 
 from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
-from server import chat, completions, planning, sessions_api, streaming
-from server.errors import error_body, install_error_handlers
-from server.metrics import CONTENT_TYPE
-from server.request_context import RequestContext, session_from_header
+from server import routes, sessions_api
+from server.errors import install_error_handlers
+from server.request_context import RequestContext
 from server.request_limits import BodySizeLimit
-from server.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
-    ModelList,
-)
 from server.state import ServerSettings, ServerState
 
 log = logging.getLogger(__name__)
-
-VERSION = "0.1.0"
 
 
 def _document_models(app: FastAPI, names: list[str]) -> None:
@@ -80,85 +69,14 @@ def create_app(
         yield
         await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
 
-    app = FastAPI(title="cdlm-serve", version=VERSION, lifespan=lifespan)
+    app = FastAPI(title="cdlm-serve", version=routes.VERSION, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outermost (added last): counts every answer, the 401s and 413s too.
     app.add_middleware(RequestContext, api_key=settings.api_key, count=state.metrics.count_http)
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
-    @app.get("/health")
-    def health() -> JSONResponse:
-        if not state.ready.is_set():
-            return JSONResponse({"status": "loading"}, status_code=503)
-        if state.load_error is not None:
-            body = {"status": "error", **error_body(503, state.load_error)}
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/version")
-    def version() -> dict:
-        return {"version": VERSION}
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models", response_model=ModelList, responses=errors)
-    def list_models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.name,
-                    "object": "model",
-                    "created": m.created,
-                    "owned_by": "cdlm-serve",
-                    "max_model_len": m.max_model_len,
-                }
-                for m in state.models.values()
-            ],
-        }
-
-    sessions_api.install(app, state, errors)
+    app.include_router(routes.router)
+    app.include_router(sessions_api.router)
     _document_models(app, [spec.name for spec in settings.models])
-
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={**errors, 409: errors[400], 507: errors[400]},
-        operation_id="create_completion",
-    )
-    async def create_completion(req: CompletionRequest, request: Request):
-        served = state.get(req.model)
-        req.session_id = session_from_header(request, req.session_id)
-        if req.session_id is not None:
-            return await sessions_api.continue_session(state, served, req, request)
-        choices = planning.plan_completion(served, req)
-        if req.stream:
-            return StreamingResponse(
-                completions.stream(served, req, choices, state.metrics),
-                media_type="text/event-stream",
-            )
-        # Returned as built (the response_model documents the shape): usage.steps is present
-        # for diffusion models only, and logprobs is an explicit null.
-        body = await streaming.until_disconnected(
-            request, completions.complete(served, req, choices, state.metrics)
-        )
-        return JSONResponse(body)
-
-    @app.post("/v1/chat/completions", responses=errors)
-    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        served = state.get(req.model)
-        choices = chat.plan_chat(served, req)
-        if req.stream:
-            return StreamingResponse(
-                chat.stream(served, req, choices, state.metrics), media_type="text/event-stream"
-            )
-        body = await streaming.until_disconnected(
-            request, chat.complete(served, req, choices, state.metrics)
-        )
-        return JSONResponse(body)
-
     return app

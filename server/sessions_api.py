@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import model_work
@@ -27,7 +27,13 @@ from engine.session_store import Session, SessionError
 from server import completions, planning, streaming
 from server.compactions import after_append, compact
 from server.errors import APIError
-from server.schemas import CompactRequest, CompletionRequest, SessionCreateRequest
+from server.schemas import (
+    ERROR_RESPONSES,
+    SESSION_ERROR_RESPONSES,
+    CompactRequest,
+    CompletionRequest,
+    SessionCreateRequest,
+)
 from server.session_access import (
     acquire,
     bytes_per_token,
@@ -43,7 +49,7 @@ from server.session_access import (
     tier_error,
     unstoppable,
 )
-from server.state import ServerState
+from server.state import ServerState, State
 
 log = logging.getLogger(__name__)
 
@@ -161,125 +167,128 @@ def _policy(req: SessionCreateRequest, served: ServedModel) -> AutoCompact | Non
     return policy
 
 
-def install(app: FastAPI, state: ServerState, errors: dict) -> None:
-    store = state.sessions
-    wait = state.settings.session_lock_wait
-    links = {
-        "GetSession": {"operationId": "get_session", "parameters": {"sid": "$response.body#/id"}},
-        "CompactSession": {
-            "operationId": "compact_session",
-            "parameters": {"sid": "$response.body#/id"},
+router = APIRouter()
+# OpenAPI links from a created session to what can be done with it (API fuzzers follow them).
+LINKS = {
+    "GetSession": {"operationId": "get_session", "parameters": {"sid": "$response.body#/id"}},
+    "CompactSession": {
+        "operationId": "compact_session",
+        "parameters": {"sid": "$response.body#/id"},
+    },
+    "ContinueSession": {
+        "operationId": "create_completion",
+        "requestBody": {
+            "model": "$response.body#/model",
+            "session_id": "$response.body#/id",
+            "prompt": "Q:",
+            "max_tokens": 4,
         },
-        "ContinueSession": {
-            "operationId": "create_completion",
-            "requestBody": {
-                "model": "$response.body#/model",
-                "session_id": "$response.body#/id",
-                "prompt": "Q:",
-                "max_tokens": 4,
-            },
-        },
-        "DeleteSession": {
-            "operationId": "delete_session",
-            "parameters": {"sid": "$response.body#/id"},
-        },
-    }
-    session_errors = {**errors, 507: errors[400]}
+    },
+    "DeleteSession": {
+        "operationId": "delete_session",
+        "parameters": {"sid": "$response.body#/id"},
+    },
+}
 
-    @app.post(
-        "/v1/sessions",
-        status_code=201,
-        operation_id="create_session",
-        responses={**session_errors, 201: {"description": "the session", "links": links}},
-    )
-    async def create_session(req: SessionCreateRequest):
-        served = state.get(req.model)
-        if served.is_diffusion:
-            raise APIError(400, "sessions are for autoregressive models", param="model")
-        ids: list[int] = []
-        if req.prompt is not None:
-            ids = (
-                planning.encode(served, req.prompt)
-                if isinstance(req.prompt, str)
-                else list(req.prompt)
+
+@router.post(
+    "/v1/sessions",
+    status_code=201,
+    operation_id="create_session",
+    responses={**SESSION_ERROR_RESPONSES, 201: {"description": "the session", "links": LINKS}},
+)
+async def create_session(req: SessionCreateRequest, state: State):
+    store, wait = state.sessions, state.settings.session_lock_wait
+    served = state.get(req.model)
+    if served.is_diffusion:
+        raise APIError(400, "sessions are for autoregressive models", param="model")
+    ids: list[int] = []
+    if req.prompt is not None:
+        ids = (
+            planning.encode(served, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        )
+        if any(not 0 <= t < served.config.vocab_size for t in ids):
+            raise APIError(400, "prompt holds a token id outside the vocabulary", param="prompt")
+        if len(ids) >= served.max_model_len:
+            raise APIError(
+                400,
+                f"prompt of {len(ids)} tokens does not fit the model's "
+                f"context ({served.max_model_len})",
+                param="prompt",
             )
-            if any(not 0 <= t < served.config.vocab_size for t in ids):
-                raise APIError(
-                    400, "prompt holds a token id outside the vocabulary", param="prompt"
-                )
-            if len(ids) >= served.max_model_len:
-                raise APIError(
-                    400,
-                    f"prompt of {len(ids)} tokens does not fit the model's "
-                    f"context ({served.max_model_len})",
-                    param="prompt",
-                )
-        policy = _policy(req, served)
+    policy = _policy(req, served)
+    try:
+        store.check_room(len(ids) * bytes_per_token(served))
+        session = await asyncio.to_thread(store.create, req.model, req.id)
+        session.auto_compact = policy
+    except SessionError as e:
+        raise session_error(e) from None
+    except MirrorError as e:
+        raise tier_error(e) from None
+
+    async def build() -> None:
         try:
-            store.check_room(len(ids) * bytes_per_token(served))
-            session = await asyncio.to_thread(store.create, req.model, req.id)
-            session.auto_compact = policy
-        except SessionError as e:
-            raise session_error(e) from None
-        except MirrorError as e:
-            raise tier_error(e) from None
-
-        async def build() -> None:
-            try:
-                async with locked(store, session, wait):
-                    if ids:
-                        cache = await asyncio.to_thread(
-                            model_work.prefill,
-                            served.model,
-                            ids,
-                            served.thread.run,
-                            served.thread.has_requests,
-                        )
-                        session.rewrite(cache, ids)
-                    await persist(store, session)
-            except BaseException:
-                if session.version is None:  # never committed: as if it had never been
-                    store.forget(session)
-                    await asyncio.to_thread(store.delete, session)
-                raise
-            after_append(state, served, session)
-            await spill(store)
-
-        await unstoppable(build())
-        return JSONResponse(session.describe(), status_code=201)
-
-    @app.get("/v1/sessions", operation_id="list_sessions", responses=errors)
-    async def list_sessions():
-        return {"object": "list", "data": [s.describe() for s in store.all()]}
-
-    @app.get("/v1/sessions/{sid}", operation_id="get_session", responses=errors)
-    async def get_session(sid: str):
-        session = await find(state, sid)
-        await catch_up(store, session)
-        return session.describe()
-
-    @app.delete("/v1/sessions/{sid}", operation_id="delete_session", responses=errors)
-    async def delete_session(sid: str):
-        session = await find(state, sid)
-
-        async def remove() -> None:
             async with locked(store, session, wait):
-                try:
-                    await asyncio.to_thread(store.delete, session)
-                except MirrorError as e:
-                    raise tier_error(e) from None
+                if ids:
+                    cache = await asyncio.to_thread(
+                        model_work.prefill,
+                        served.model,
+                        ids,
+                        served.thread.run,
+                        served.thread.has_requests,
+                    )
+                    session.rewrite(cache, ids)
+                await persist(store, session)
+        except BaseException:
+            if session.version is None:  # never committed: as if it had never been
+                store.forget(session)
+                await asyncio.to_thread(store.delete, session)
+            raise
+        after_append(state, served, session)
+        await spill(store)
 
-        await unstoppable(remove())
-        return {"id": sid, "object": "session.deleted", "deleted": True}
+    await unstoppable(build())
+    return JSONResponse(session.describe(), status_code=201)
 
-    @app.post(
-        "/v1/sessions/{sid}/compact", operation_id="compact_session", responses=session_errors
-    )
-    async def compact_session(sid: str, req: CompactRequest):
-        session = await find(state, sid)
-        served = model_for(state, session)
-        if (req.ratio is None) == (req.target_tokens is None):
-            raise APIError(400, "give exactly one of ratio and target_tokens", param="ratio")
-        async with state.compactions.slot():
-            body = await unstoppable(compact(state, served, session, req))
-        return {"id": sid, "object": "session.compaction", **body, "session": session.describe()}
+
+@router.get("/v1/sessions", operation_id="list_sessions", responses=ERROR_RESPONSES)
+async def list_sessions(state: State):
+    store = state.sessions
+    return {"object": "list", "data": [s.describe() for s in store.all()]}
+
+
+@router.get("/v1/sessions/{sid}", operation_id="get_session", responses=ERROR_RESPONSES)
+async def get_session(sid: str, state: State):
+    store = state.sessions
+    session = await find(state, sid)
+    await catch_up(store, session)
+    return session.describe()
+
+
+@router.delete("/v1/sessions/{sid}", operation_id="delete_session", responses=ERROR_RESPONSES)
+async def delete_session(sid: str, state: State):
+    store, wait = state.sessions, state.settings.session_lock_wait
+    session = await find(state, sid)
+
+    async def remove() -> None:
+        async with locked(store, session, wait):
+            try:
+                await asyncio.to_thread(store.delete, session)
+            except MirrorError as e:
+                raise tier_error(e) from None
+
+    await unstoppable(remove())
+    return {"id": sid, "object": "session.deleted", "deleted": True}
+
+
+@router.post(
+    "/v1/sessions/{sid}/compact", operation_id="compact_session", responses=SESSION_ERROR_RESPONSES
+)
+async def compact_session(sid: str, req: CompactRequest, state: State):
+    session = await find(state, sid)
+    served = model_for(state, session)
+    if (req.ratio is None) == (req.target_tokens is None):
+        raise APIError(400, "give exactly one of ratio and target_tokens", param="ratio")
+    async with state.compactions.slot():
+        body = await unstoppable(compact(state, served, session, req))
+    return {"id": sid, "object": "session.compaction", **body, "session": session.describe()}

@@ -8,8 +8,10 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from fastapi import Depends, Request
 
 from engine.core_share import CoreShare
 from engine.served_model import ServedModel, load_served_model
@@ -130,3 +132,13 @@ class ServerState:
             served.thread.shutdown(timeout=60)
         self.compactions.shutdown()
         self.sessions.persist_all()
+
+
+def current_state(request: Request) -> ServerState:
+    """The server's state, for a route (a FastAPI dependency): `create_app` keeps it on the app."""
+    state: ServerState = request.app.state.server
+    return state
+
+
+# A route's parameter `state: State` receives the server's state.
+State = Annotated[ServerState, Depends(current_state)]
