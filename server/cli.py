@@ -6,7 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +52,123 @@ def parse_model_spec(text: str):
     return ModelSpec(default_name(text, Path(text).expanduser()), text)
 
 
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One `serve` flag: its environment variable is CDLM_SERVE_ and its name in capitals, and
+    a default is given as the text the environment would hold (argparse converts both)."""
+
+    name: str
+    group: str
+    help: str
+    default: str | None = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return "CDLM_SERVE_" + self.name.removeprefix("--").upper().replace("-", "_")
+
+
+GROUPS = {
+    "server": "HTTP",
+    "models": "models",
+    "limits": "limits (per model)",
+    "sessions": "sessions",
+    "compaction": "compaction",
+}
+FLAGS = (
+    Flag("--host", "server", "address to bind", "127.0.0.1"),
+    Flag("--port", "server", "port to bind", "8000", int),
+    Flag(
+        "--api-key",
+        "server",
+        "require 'Authorization: Bearer KEY' on every /v1 route; /health, /version and /metrics "
+        "stay open",
+    ),
+    Flag("--max-body-mb", "server", "largest request body; larger ones answer 413", "8", float),
+    Flag(
+        "--log-level", "server", "log level", "info", choices=("debug", "info", "warning", "error")
+    ),
+    Flag("--device", "models", "cpu, cuda, cuda:N or auto (cuda when there is one)", "auto"),
+    Flag(
+        "--dtype",
+        "models",
+        "weight/activation dtype; auto = bfloat16 on GPUs and on CPUs with AVX512-BF16, else "
+        "float32",
+        "auto",
+        choices=("auto", *DTYPES),
+    ),
+    Flag(
+        "--max-model-len",
+        "models",
+        "cap on prompt + completion tokens (default: the model's own context length)",
+        type=int,
+    ),
+    Flag("--max-queue", "limits", "requests allowed to wait per model before 429", "256", int),
+    Flag("--max-batch", "limits", "sequences a model decodes together", "8", int),
+    Flag(
+        "--prefill-tokens-per-step",
+        "limits",
+        "prompt tokens one engine step prefills (chunked prefill: longer prompts join over "
+        "several steps while running requests keep decoding; default 512 on GPUs, 128 on CPUs)",
+        type=int,
+    ),
+    Flag(
+        "--sessions-dir",
+        "sessions",
+        "where sessions are stored (default $CDLM_SERVE_HOME/sessions)",
+        type=Path,
+    ),
+    Flag(
+        "--session-memory-mb",
+        "sessions",
+        "session caches kept in memory before the least recently used go to disk",
+        "2048",
+        int,
+    ),
+    Flag(
+        "--session-lock-wait",
+        "sessions",
+        "seconds a request waits for a busy session before 409",
+        "10",
+        float,
+    ),
+    Flag(
+        "--max-sessions",
+        "sessions",
+        "sessions the store may hold; creating one more answers 507",
+        "1024",
+        int,
+    ),
+    Flag(
+        "--sessions-disk-gb",
+        "sessions",
+        "disk quota of the session store in GB; requests that would grow it past the quota "
+        "answer 507, 0 = no quota",
+        "20",
+        float,
+    ),
+    Flag(
+        "--sessions-redis",
+        "sessions",
+        "share sessions between replicas through Redis: every change is written through, a "
+        "replica without a session loads it from there, and a lease keeps two replicas from "
+        "changing one session at once",
+        metavar="redis://HOST:PORT/DB",
+    ),
+    Flag(
+        "--compaction-omp-budget",
+        "compaction",
+        "seconds of exact OMP key selection per compaction; past it OMP continues as "
+        "am-omp-fast, past twice it takes the remaining keys by attention, and the response "
+        "says so",
+        "60",
+        float,
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cdlm-serve",
@@ -57,135 +177,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
 
-    serve = sub.add_parser("serve", help="serve models over HTTP (the default command)")
-    serve.add_argument(
+    serve = sub.add_parser(
+        "serve",
+        help="serve models over HTTP (the default command)",
+        description="Every flag can also be set by the environment variable it names.",
+    )
+    groups = {key: serve.add_argument_group(title) for key, title in GROUPS.items()}
+    groups["models"].add_argument(
         "--model",
         action="append",
         metavar="[NAME=]SOURCE",
         help="a model to serve; repeat for several. SOURCE is a built-in name "
         f"({DEFAULT_AR_MODEL}, {', '.join(SHIPPED)}), a local HF folder, a .gguf file, a LoRA "
-        "adapter folder or a hub id; NAME is what clients put in `model`. Env: CDLM_SERVE_MODEL "
-        f"(comma-separated). Default: {DEFAULT_MODELS}.",
+        "adapter folder or a hub id; NAME is what clients put in `model` (env CDLM_SERVE_MODEL, "
+        f"comma-separated; default {DEFAULT_MODELS})",
     )
-    serve.add_argument(
-        "--host",
-        default=_env("HOST", "127.0.0.1"),
-        help="address to bind (env CDLM_SERVE_HOST; default 127.0.0.1)",
-    )
-    serve.add_argument(
-        "--port",
-        type=int,
-        default=int(_env("PORT", "8000") or 8000),
-        help="port to bind (env CDLM_SERVE_PORT; default 8000)",
-    )
-    serve.add_argument(
-        "--device",
-        default=_env("DEVICE", "auto"),
-        help="cpu, cuda, cuda:N or auto (env CDLM_SERVE_DEVICE; default auto)",
-    )
-    serve.add_argument(
-        "--dtype",
-        default=_env("DTYPE", "auto"),
-        choices=["auto", *DTYPES],
-        help="weight/activation dtype; auto = bfloat16 on GPUs and on CPUs with AVX512-BF16, "
-        "else float32 (env CDLM_SERVE_DTYPE)",
-    )
-    serve.add_argument(
-        "--max-model-len",
-        type=int,
-        default=int(v) if (v := _env("MAX_MODEL_LEN")) else None,
-        help="cap on prompt + completion tokens (env CDLM_SERVE_MAX_MODEL_LEN; "
-        "default: the model's own context length)",
-    )
-    serve.add_argument(
-        "--max-queue",
-        type=int,
-        default=int(_env("MAX_QUEUE", "256") or 256),
-        help="requests allowed to wait per model before 429 (env CDLM_SERVE_MAX_QUEUE)",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=_env("API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every /v1 route (env CDLM_SERVE_API_KEY); "
-        "/health, /version and /metrics stay open",
-    )
-    serve.add_argument(
-        "--sessions-dir",
-        type=Path,
-        default=Path(v) if (v := _env("SESSIONS_DIR")) else None,
-        help="where sessions are stored (env CDLM_SERVE_SESSIONS_DIR; default "
-        "$CDLM_SERVE_HOME/sessions)",
-    )
-    serve.add_argument(
-        "--session-memory-mb",
-        type=int,
-        default=int(_env("SESSION_MEMORY_MB", "2048") or 2048),
-        help="session caches kept in memory before the least recently used go to disk "
-        "(env CDLM_SERVE_SESSION_MEMORY_MB)",
-    )
-    serve.add_argument(
-        "--session-lock-wait",
-        type=float,
-        default=float(_env("SESSION_LOCK_WAIT", "10") or 10),
-        help="seconds a request waits for a busy session before 409 (env "
-        "CDLM_SERVE_SESSION_LOCK_WAIT)",
-    )
-    serve.add_argument(
-        "--max-sessions",
-        type=int,
-        default=int(_env("MAX_SESSIONS", "1024") or 1024),
-        help="sessions the store may hold; creating one more answers 507 (env "
-        "CDLM_SERVE_MAX_SESSIONS)",
-    )
-    serve.add_argument(
-        "--sessions-disk-gb",
-        type=float,
-        default=float(_env("SESSIONS_DISK_GB", "20") or 20),
-        help="disk quota of the session store in GB; requests that would grow it past the quota "
-        "answer 507, 0 = no quota (env CDLM_SERVE_SESSIONS_DISK_GB; default 20)",
-    )
-    serve.add_argument(
-        "--sessions-redis",
-        default=_env("SESSIONS_REDIS"),
-        metavar="redis://HOST:PORT/DB",
-        help="share sessions between replicas through Redis: every change is written through, "
-        "a replica without a session loads it from there, and a lease keeps two replicas from "
-        "changing one session at once (env CDLM_SERVE_SESSIONS_REDIS)",
-    )
-    serve.add_argument(
-        "--compaction-omp-budget",
-        type=float,
-        default=float(_env("COMPACTION_OMP_BUDGET", "60") or 60),
-        help="seconds of exact OMP key selection per compaction; past it OMP continues as "
-        "am-omp-fast, past twice it takes the remaining keys by attention, and the response "
-        "says so (env CDLM_SERVE_COMPACTION_OMP_BUDGET)",
-    )
-    serve.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=float(_env("MAX_BODY_MB", "8") or 8),
-        help="largest request body; larger ones answer 413 (env CDLM_SERVE_MAX_BODY_MB)",
-    )
-    serve.add_argument(
-        "--prefill-tokens-per-step",
-        type=int,
-        default=int(v) if (v := _env("PREFILL_TOKENS_PER_STEP")) else None,
-        help="prompt tokens one engine step prefills (chunked prefill: longer prompts join over "
-        "several steps while running requests keep decoding; default 512 on GPUs, 128 on CPUs; "
-        "env CDLM_SERVE_PREFILL_TOKENS_PER_STEP)",
-    )
-    serve.add_argument(
-        "--max-batch",
-        type=int,
-        default=int(_env("MAX_BATCH", "8") or 8),
-        help="sequences a diffusion model decodes together (env CDLM_SERVE_MAX_BATCH)",
-    )
-    serve.add_argument(
-        "--log-level",
-        default=_env("LOG_LEVEL", "info"),
-        choices=["debug", "info", "warning", "error"],
-        help="log level (env CDLM_SERVE_LOG_LEVEL)",
-    )
+    for flag in FLAGS:
+        # A string default goes through `type` like a command-line value: a bad environment
+        # value is a usage error naming the flag, not a traceback.
+        groups[flag.group].add_argument(
+            flag.name,
+            type=flag.type,
+            default=os.environ.get(flag.env, flag.default),
+            choices=flag.choices,
+            metavar=flag.metavar,
+            help=f"{flag.help} (env {flag.env}"
+            + (f"; default {flag.default})" if flag.default is not None else ")"),
+        )
 
     fetch = sub.add_parser("fetch", help="download and convert the built-in model(s) now")
     fetch.add_argument(

@@ -1,0 +1,36 @@
+"""`cdlm-serve serve`'s flags: one table, each in a group, each with its environment variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from server import cli
+
+
+def test_every_flag_names_its_environment_variable_in_its_group(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for title in cli.GROUPS.values():
+        assert f"\n{title}:\n" in text
+    for flag in cli.FLAGS:
+        assert flag.env in text, flag.name
+    assert "CDLM_SERVE_MODEL" in text
+
+
+def test_the_environment_sets_defaults_typed_like_the_command_line(monkeypatch):
+    monkeypatch.setenv("CDLM_SERVE_MAX_QUEUE", "7")
+    monkeypatch.setenv("CDLM_SERVE_SESSIONS_DISK_GB", "0.5")
+    args = cli.build_parser().parse_args(["serve"])
+    assert args.max_queue == 7 and args.sessions_disk_gb == 0.5
+    assert args.port == 8000 and args.max_model_len is None  # the table's defaults, typed
+    args = cli.build_parser().parse_args(["serve", "--max-queue", "9"])
+    assert args.max_queue == 9  # the command line wins
+
+
+def test_a_bad_environment_value_is_a_usage_error_naming_the_flag(monkeypatch, capsys):
+    monkeypatch.setenv("CDLM_SERVE_PORT", "eighty")
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["serve"])
+    assert exit_.value.code == 2
+    assert "--port" in capsys.readouterr().err
