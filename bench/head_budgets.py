@@ -7,7 +7,7 @@ on calibration contexts (Python standard-library docstrings with the compaction 
 synthetic facts inserted: neither of the texts `bench.compaction` evaluates on), every context
 is compacted uniformly to t slots per KV head with `--method`, and also to t/2, 2t, 4t and 8t
 (LEVELS); then, one (layer, KV head) at a time, that head's segment is swapped for one of the
-others, the rest left at t, and the facts' answer NLL measured (`bench.compaction.answer_nll`'s,
+others, the rest left at t, and the facts' answer NLL measured (`bench.facts.answer_nll`'s,
 all questions in one batch: `facts_nll`; the questions' wording, the paraphrased questions stay
 held out). The change from the uniform cache, averaged over contexts, is each head's curve at
 t/2, t, 2t, 4t and 8t: a convex piecewise-linear loss of its slots (the lower convex hull of
@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.compaction import QUERY_SOURCE, answer_loss, make_context, save_json
+from bench.compaction import QUERY_SOURCE, save_json
+from bench.facts import answer_loss, make_context
 from engine.compaction_budgets import SCHEDULE_MOST, schedule_name
-from engine.kv_compaction import compact_row, reference_queries
+from engine.compaction_queries import reference_queries
+from engine.kv_compaction import compact_row
 from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
@@ -201,7 +203,7 @@ def put_head(work: KVCache, layer: int, head: int, seg: Segment, slots: int) -> 
 
 
 def facts_nll(model, cache: KVCache, facts: list[tuple[list[int], list[int]]]) -> float:
-    """The mean of `bench.compaction.answer_nll` over the (question, answer) pairs, in one
+    """The mean of `bench.facts.answer_nll` over the (question, answer) pairs, in one
     forward: row i of `cache` (as many rows as pairs, all alike) continues with pair i, the
     shorter pairs padded at their end, which no earlier position of a causal model sees."""
     assert cache.batch == len(facts)

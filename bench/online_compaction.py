@@ -28,17 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.compaction import (
-    Probe,
-    _parts,
-    _schedule,
-    _text,
-    kept,
-    make_context,
-    measure,
-    resident_bytes,
-    save_json,
-)
+from bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
+from bench.facts import Probe, kept, make_context, measure
 from engine.auto_compaction import AutoCompact
 from engine.kv_compaction import compact_row
 from models import kernels

@@ -30,7 +30,7 @@ from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 if TYPE_CHECKING:
-    from engine.session_store import Session
+    from engine.session import Session
 
 
 @dataclass(eq=False, slots=True)
@@ -286,7 +286,7 @@ class AREngine:
         """The session now holds the prompt and the answer. The last sampled token was never
         run through the model: it stays the session's next input, run first by the next
         request."""
-        assert self.cache is not None
+        assert self.cache is not None and seq.session is not None  # _release checked the session
         # A normal tensor, not an inference one (step() runs in inference mode): a later
         # compaction writes into the session's cache in place.
         with torch.inference_mode(False):

@@ -273,7 +273,8 @@ def fit_values(x: Tensor, y: Tensor, ridge: float = 1e-6) -> Tensor:
     if int(info) == 0 and chol.diagonal().min() > 1e-7 * chol.diagonal().max():
         return torch.cholesky_solve(rhs, chol).float()
     eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, rhs).float()
+    solved: Tensor = torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, rhs)
+    return solved.float()
 
 
 class _Clock:

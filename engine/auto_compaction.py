@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.attention_matching import METHODS
-from engine.kv_compaction import BUDGETS, QUERY_SOURCES, resolve_key_queries
+from engine.compaction_options import BUDGETS, QUERY_SOURCES, resolve_key_queries
 
 MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one
 MIN_MAX_TOKENS = 16

@@ -28,6 +28,7 @@ softmax over every key of the row: the region's and the exact recent tail's afte
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -39,6 +40,23 @@ SNAPKV_WINDOW = 32
 SNAPKV_KERNEL = 7
 EXPECTED_FUTURE = 512  # Expected Attention's future positions
 QUERY_CHUNK = 256  # context queries scored at a time (bounds the [G, chunk, T] scores)
+
+
+class BaselineInputs(Protocol):
+    """What the baselines read of a KV head: `engine.attention_matching.HeadInputs` (its
+    fields' meanings there), as a protocol because that module imports this one."""
+
+    keys: Tensor
+    values: Tensor
+    scale: float
+    bias: Tensor | None
+    head_queries: Tensor | None
+    query_positions: Tensor | None
+    key_positions: Tensor | None
+    tail_keys: Tensor | None
+    tail_bias: Tensor | None
+    tail_positions: Tensor | None
+    future: tuple[Tensor, Tensor] | None
 
 
 def streaming(total: int, t: int, sinks: int = SINKS) -> Tensor:
@@ -58,7 +76,7 @@ def _top(score: Tensor, t: int, forced: Tensor) -> Tensor:
     return score.topk(t).indices.sort().values
 
 
-def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
+def causal_probabilities(h: BaselineInputs, rows: slice | None = None) -> Iterator[Tensor]:
     """Attention of the context's own queries (h.head_queries [G, n, D], rows `rows` of them)
     as it was at prefill: each query's softmax over the row's keys at or before its position
     (the region's, then the exact tail's). Yields, per chunk of queries, their probabilities
@@ -68,6 +86,10 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
     the keys past the chunk's first query can be masked. The queries go in position order,
     QUERY_CHUNK at a time, each chunk over the keys up to its last one's position only: a
     causal pass reads about half the keys, like its prefill."""
+    # select_keys checked the context's queries are there; _add_context sets them, the key
+    # positions and the tail together
+    assert h.head_queries is not None and h.query_positions is not None
+    assert h.key_positions is not None
     q_all, q_pos = h.head_queries, h.query_positions
     if rows is not None:
         q_all, q_pos = q_all[:, rows], q_pos[rows]
@@ -78,6 +100,7 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
     if bias is None:
         bias = torch.zeros(region)
     if h.tail_keys is not None and h.tail_keys.shape[0]:
+        assert h.tail_positions is not None and h.tail_bias is not None
         keys = torch.cat([keys, h.tail_keys.float()])
         pos = torch.cat([pos, h.tail_positions])
         bias = torch.cat([bias.float(), h.tail_bias.float()])
@@ -102,7 +125,7 @@ def causal_probabilities(h, rows: slice | None = None) -> Iterator[Tensor]:
         yield p[..., :region]
 
 
-def accumulated_attention(h) -> Tensor:
+def accumulated_attention(h: BaselineInputs) -> Tensor:
     """[T] H2O's heavy-hitter score: each region key's attention summed over the context's
     queries (`causal_probabilities`: every query head given, each query over the keys at or
     before it)."""
@@ -112,7 +135,7 @@ def accumulated_attention(h) -> Tensor:
     return accumulated
 
 
-def h2o(h, t: int) -> Tensor:
+def h2o(h: BaselineInputs, t: int) -> Tensor:
     """H2O: half the budget to the heavy hitters (attention accumulated over every query of
     the context, summed over the group's heads), half to the most recent slots."""
     total = h.keys.shape[0]
@@ -120,10 +143,14 @@ def h2o(h, t: int) -> Tensor:
     return _top(accumulated_attention(h), t, torch.arange(total - recent, total))
 
 
-def snapkv(h, t: int, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL) -> Tensor:
+def snapkv(
+    h: BaselineInputs, t: int, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL
+) -> Tensor:
     """SnapKV: the observation window's votes (the context's last `window` queries, summed per
     query head), max-pooled over `kernel` neighbouring keys per head, summed over the group;
     the window's own keys (those inside the region) are always kept."""
+    assert h.head_queries is not None  # checked by select_keys
+    assert h.query_positions is not None and h.key_positions is not None  # set with them
     total = h.keys.shape[0]
     n = h.head_queries.shape[1]
     votes = torch.zeros(h.head_queries.shape[0], total)  # [G, T]
@@ -159,16 +186,18 @@ def future_query_statistics(
     return mean @ rotation.T, rotation @ cov @ rotation.T
 
 
-def expected_attention(h, t: int, sinks: int = SINKS) -> Tensor:
+def expected_attention(h: BaselineInputs, t: int, sinks: int = SINKS) -> Tensor:
     """Expected Attention: keys by the attention the future queries (h.future: per query head
     of the group, mean [G, D] and covariance [G, D, D]) are expected to pay them, softmax over
     every key of the row, averaged over the group's heads, times the value's norm; the first
     `sinks` slots are kept."""
+    assert h.future is not None  # checked by select_keys
     mean, cov = h.future
     total = h.keys.shape[0]
     keys = h.keys.float()
     bias = torch.zeros(total) if h.bias is None else h.bias.float()
     if h.tail_keys is not None and h.tail_keys.shape[0]:
+        assert h.tail_bias is not None  # set with tail_keys
         keys = torch.cat([keys, h.tail_keys.float()])
         bias = torch.cat([bias, h.tail_bias.float()])
     quadratic = torch.einsum("kd,gde,ke->gk", keys, cov, keys)  # [G, T + R]

@@ -173,7 +173,7 @@ def load_schedule(spec: str, cfg: Any, folder: Path = SCHEDULES) -> list[list[fl
     path = folder / f"{schedule_name(spec)}.json"
     if not path.is_file():
         return None
-    shares = json.loads(path.read_text())["shares"]
+    shares: list[list[float]] = json.loads(path.read_text())["shares"]
     if len(shares) != cfg.num_layers or any(len(x) != cfg.num_kv_heads for x in shares):
         return None
     return shares

@@ -94,7 +94,7 @@ class _WideThread:
     arrival order on `threads` intra-op threads, for the threads that hand them over."""
 
     def __init__(self, threads: int) -> None:
-        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._threads = threads
         ready = threading.Event()
         self.thread = threading.Thread(
@@ -104,7 +104,7 @@ class _WideThread:
         ready.wait()
 
     def call(self, fn: Callable[[], T]) -> T:
-        done: Future = Future()
+        done: Future[T] = Future()
         self._inbox.put((fn, done))
         return done.result()  # re-raises what fn raised, with its traceback
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from engine import limits
 from engine.dlm_modes import MODES, DecodeContext
 from engine.dlm_sequence import BlockPass, DLMParams, DLMSequence
-from engine.interface import EngineOutput
+from engine.interface import EngineOutput, FinishReason
 from engine.model_runner import ModelRunner
 from engine.sampling import _top_p_filter, eos_token_ids, make_generator, tempered_softmax
 from engine.scheduler import Scheduler
@@ -40,7 +40,7 @@ from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 if TYPE_CHECKING:
-    from engine.session_store import Session
+    from engine.session import Session
 
 
 class DLMEngine:
@@ -308,7 +308,11 @@ class DLMEngine:
         return None
 
     def _emit(
-        self, seq: DLMSequence, ids: list[int], reason: str | None, hidden_last: bool = False
+        self,
+        seq: DLMSequence,
+        ids: list[int],
+        reason: FinishReason | None,
+        hidden_last: bool = False,
     ) -> EngineOutput:
         parts = []
         for i, t in enumerate(ids[:-1] if hidden_last else ids):

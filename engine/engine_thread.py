@@ -19,6 +19,7 @@ idle (its cores handed to the other threads) while it waits for some.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -48,7 +49,7 @@ class _Request:
     id: str
     build: Callable[[str, Callable[[], bool]], Any]
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
+    out: asyncio.Queue[object]  # its EngineOutputs, then an exception or _DONE
     aborted: threading.Event = field(default_factory=threading.Event)
 
 
@@ -57,14 +58,14 @@ class _Job:
     """A piece of model work run on the engine thread between two steps."""
 
     fn: Callable[[], Any]
-    result: Future
+    result: Future[Any]
 
 
 class EngineThread:
     def __init__(
         self,
         name: str,
-        engine: Engine,
+        engine: Engine[Any],  # either kind: requests arrive built (`stream`'s build)
         max_queue: int = 256,
         on_step: Callable[[float], None] | None = None,
         cores: CoreShare | None = None,
@@ -128,7 +129,7 @@ class EngineThread:
         finally:
             req.aborted.set()
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn()` on the engine thread between two steps (it may use the model freely);
         its result or exception arrives in the returned future. Requests already decoding wait
         for it, so keep each piece of work short: long work is cut into pieces and submitted
@@ -224,7 +225,7 @@ class EngineThread:
                 continue
             if isinstance(req, _Job):
                 started = time.perf_counter()
-                self.cores.run(lambda job=req: self._run_job(job))
+                self.cores.run(functools.partial(self._run_job, req))
                 self._turn_jobs += time.perf_counter() - started
                 if self.engine.has_work() and self._turn_jobs >= self._last_step:
                     return True  # the jobs had their time: decoding never waits for a queue

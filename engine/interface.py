@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from engine.dlm_sequence import DLMParams
     from engine.sampling import SamplingParams
-    from engine.session_store import Session
+    from engine.session import Session
 
 FinishReason = Literal["stop", "length", "abort"]
+# An engine's request parameters: SamplingParams (autoregressive), DLMParams (diffusion).
+P = TypeVar("P", bound="SamplingParams | DLMParams", contravariant=True)
 
 
 @dataclass(slots=True)
@@ -44,8 +46,9 @@ class EngineOutput:
     steps: int | None = None
 
 
-class Engine(Protocol):
-    """Both engines, as the server and the engine thread see them."""
+class Engine(Protocol[P]):
+    """Both engines, as the server and the engine thread see them: AREngine is an
+    Engine[SamplingParams], DLMEngine an Engine[DLMParams]."""
 
     max_model_len: int
 
@@ -53,7 +56,7 @@ class Engine(Protocol):
         self,
         request_id: str,
         prompt: list[int],
-        params: SamplingParams | DLMParams,
+        params: P,
         aborted: Callable[[], bool] = ...,
         session: Session | None = None,
         append: bool = True,

@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,103 +56,33 @@ from torch import Tensor
 from engine import compaction_baselines as baselines
 from engine import compaction_budgets
 from engine.attention_matching import (
-    METHODS,
     HeadInputs,
     HeadResult,
     OmpBudget,
     compact_head,
     relative_output_error,
 )
-from engine.kv_quant import QuantizedSegment, quantize_prefix
-from models.attention import Band
-from models.kv_cache import KVCache
-from models.layers import Pace
-from models.transformer import Transformer, new_capture
-
-QUERY_SOURCES = (
-    "context",
-    "repeat",
-    "repeat-banded",
-    "self-study",
-    "repeat+self-study",
-    "on-policy",
+from engine.compaction_options import (
+    CONTEXT_SCORED,
+    REPEAT_INSTRUCTION,
+    UNSCORED,
+    check_options,
+    default_query_source,
+    resolve_key_queries,
 )
-REPEAT_WINDOW = 512  # repeat-banded: the slots either side of a repeated token's original
-REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same keys)
-# Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
-BUDGETS = ("uniform", "attention", "measured")
-# Baselines that score keys with the context's own queries, as at prefill time.
-CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
-# ... and those that score none (their queries only measure the output error).
-UNSCORED = ("streaming", "random")
-# Each method's reference queries when a request names none: what its paper uses (Attention
-# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
-# context's own; streaming and random score nothing, the context's queries measure them).
-DEFAULT_QUERY_SOURCE = {
-    m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
-}
-# ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
-# banded pass (on a GPU the band would be a mask over the full attention, no faster).
-BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
-
-
-# Whose attention ranks the keys of the am-highest variants: the reference queries they are
-# fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context", the
-# paper's context-prefill queries: each KV head ranks by its group's queries at max_queries /
-# group seeded random positions of the context, `context_key_queries`, which re-reads just
-# those tokens from the row's cache; beta and the values stay fitted on the reference
-# queries). Facts kept, 2K contexts, medians of 5, Austen | the Python reference, 10x / 20x
-# (`python -m bench.compaction [--text python-reference] --contexts 5 --lengths 2048
-# --ratios 10 20 --methods am-highest am-highest-fast h2o`; +refkeys for the reference's):
-# am-highest 0.36 | 0.45 / 0.16 | 0.22 by the reference -> 0.58 | 0.52 / 0.48 | 0.33
-# by the context; am-highest-fast 0.44 | 0.45 / 0.17 | 0.30 -> 0.56 | 0.53 / 0.43 |
-# 0.32; H2O, the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read
-# the token each one copies; later questions read the keys the context's own queries did.
-# (Fitting beta and the values on the context queries too is what does not carry over:
-# continuation probe down to -17.) The price, at 4K tokens on 2 cores (fp32, AVX2,
-# `--timing`, two runs each, alternating): am-highest-fast 29.6 / 28.3 s by the reference,
-# 34.5 / 34.1 s by the context (a causal pass over the whole context instead: 47.9 / 55.1 s).
-KEY_QUERIES = ("context", "reference")
-CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
-
-
-def default_key_queries(method: str) -> str:
-    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES): the
-    context's, for the methods that can."""
-    return "context" if method in CONTEXT_KEYED else "reference"
-
-
-def resolve_key_queries(method: str, key_queries: str | None) -> str:
-    """`key_queries` checked for `method` (ValueError if unknown or not for it), or the
-    method's own where None."""
-    key_queries = key_queries or default_key_queries(method)
-    if key_queries not in KEY_QUERIES:
-        raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
-    if key_queries == "context" and method not in CONTEXT_KEYED:
-        raise ValueError(
-            f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)}, not {method}'s"
-        )
-    return key_queries
-
-
-def default_query_source(method: str, device: torch.device) -> str:
-    """The reference queries `method` takes on `device` when a request names none."""
-    if method in BANDED_ON_CPU and device.type == "cpu":
-        return "repeat-banded"
-    return DEFAULT_QUERY_SOURCE[method]
-
-
-REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
-STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
-
-T = TypeVar("T")
-# Runs one piece of model work where the model may be used, and returns its result.
-OnEngine = Callable[[Callable[[], T]], T]
-
-
-def inline(fn: Callable[[], T]) -> T:
-    """Run model work right here (benchmarks, tests, a model nobody else is using)."""
-    return fn()
+from engine.compaction_queries import (
+    OnEngine,
+    _Engine,
+    _stages,
+    _urgency,
+    context_key_queries,
+    copy_row,
+    inline,
+    reference_queries,
+)
+from engine.kv_quant import QuantizedSegment, quantize_prefix
+from models.kv_cache import KVCache
+from models.transformer import Transformer
 
 
 @dataclass(slots=True)
@@ -191,217 +121,6 @@ class CompactionReport:
         return {**body, "seconds": dict(self.seconds), "ratio": round(self.ratio, 3)}
 
 
-def copy_row(cache: KVCache, row: int) -> KVCache:
-    """A batch-1 cache holding a copy of one row's committed slots."""
-    return cache.extract_row(row)
-
-
-@dataclass(eq=False)
-class _Engine:
-    """`on_engine` with a stopwatch: counts the pieces and keeps the longest."""
-
-    on_engine: OnEngine
-    # Whether the model's requests wait for these pieces (then each is about a decode step).
-    urgent: Callable[[], bool] = lambda: False
-    jobs: int = 0
-    longest: float = 0.0
-
-    @property
-    def pace(self) -> Pace:
-        return Pace(self.urgent)
-
-    def __call__(self, fn: Callable[[], T]) -> T:
-        def timed() -> T:
-            started = time.perf_counter()
-            try:
-                with torch.no_grad():  # grad mode is per thread: say it where the work runs
-                    return fn()
-            finally:
-                self.longest = max(self.longest, time.perf_counter() - started)
-
-        self.jobs += 1
-        return self.on_engine(timed)
-
-    def layers(self, stages, count: int) -> Iterator[Tensor]:
-        """Advance a staged forward one piece at a time (`Transformer.forward_stages`); its
-        queries [H, n, D] fp32 (row 0), layer by layer, for its first `count` layers. Once the
-        last one's are out the forward stops: that layer's attention and MLP would only make
-        hidden states nobody reads (1/layers of the pass)."""
-        done = object()
-        for _ in range(count):
-            while (q := self(lambda: next(stages, done))) is None:
-                pass  # a pause inside a layer's attention
-            if q is done:
-                return
-            yield q[0].float()
-        stages.close()
-
-
-def _urgency(on_engine: OnEngine) -> Callable[[], bool]:
-    """Without word from the caller: model work run right here (`inline`) delays nobody's
-    decoding; work handed to an engine might."""
-    urgent = on_engine is not inline
-    return lambda: urgent
-
-
-def _as_engine(on_engine: OnEngine) -> _Engine:
-    """`on_engine` as an `_Engine` (kept where it is one: a compaction's own, counting)."""
-    return on_engine if isinstance(on_engine, _Engine) else _Engine(on_engine, _urgency(on_engine))
-
-
-def _stages(
-    model: Transformer,
-    ids: list[int],
-    pace: Pace,
-    cache: KVCache | None = None,
-    row: int = 0,
-    band: Band | None = None,
-    reread: Tensor | None = None,
-):
-    """A staged forward of `ids`: alone (causal from position 0), or read as a continuation of
-    a cache row (attending to its real slots, or those of the `band`, committing nothing), or
-    (`reread`, their slots) as the row's own tokens read again. Nothing runs the model yet (the
-    cache, locked by the caller and used by no one else, grows here, off the engine)."""
-    tokens = torch.tensor([ids], device=model.device)
-    if cache is None:
-        return model.forward_stages(tokens, pace=pace)
-    cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
-    return model.forward_stages(
-        tokens,
-        cache=cache,
-        rows=(row, row + 1),
-        commit=False,
-        pace=pace,
-        band=band,
-        reread=reread,
-    )
-
-
-def repeat_band(cache: KVCache, row: int, lead: int, segment: int | None = None) -> Band | None:
-    """The band of a repeat pass over `row` after a `lead`-token instruction: repeated token
-    r is the one cached at slot r on a row never compacted. On a row compacted before, whose
-    first `segment` slots (its last compaction's segment_slots) stand for the oldest tokens
-    and whose later slots are its last tokens, a repeated token of those is lined up with its
-    slot (r - logical + physical) and every repeated token sees the whole segment (as sinks);
-    those the segment stands for see it, the instruction and the repeated tokens before them.
-    None where the segment is not known (the full pass)."""
-    length, logical = cache.lengths[row], cache.logical[row]
-    band = Band(window=REPEAT_WINDOW, offset=-lead, lead=lead, rows=REPEAT_ROWS)
-    if logical == length:
-        return band
-    if segment is None or not 0 < segment < length:
-        return None
-    shift = logical - length  # how many more tokens than slots the segment stands for
-    return replace(band, offset=-lead - shift, sinks=max(band.sinks, segment))
-
-
-@torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
-def self_study_queries(
-    model: Transformer,
-    tokenizer: Any,
-    cache: KVCache,
-    row: int,
-    new_tokens: int = 48,
-    on_engine: OnEngine = inline,
-) -> list[Tensor]:
-    """The model asks and answers a question about the context (greedy, on a copy of the
-    row); per layer [H, n, D], the queries of the instruction and of everything it wrote. One
-    piece of model work per forward."""
-    work = copy_row(cache, row)
-    work.ensure_capacity(work.lengths[0] + new_tokens + 64)
-    prompt = tokenizer.encode(STUDY_INSTRUCTION, add_special_tokens=False)
-    eos = set(model.config.eos_token_ids)
-    captured = new_capture(model)
-
-    def step(ids: list[int]) -> int:
-        hidden = model(torch.tensor([ids], device=model.device), cache=work, capture=captured)
-        return int(model.logits(hidden[:, -1]).argmax(-1))
-
-    token = on_engine(lambda: step(prompt))
-    for _ in range(new_tokens):
-        if token in eos:
-            break
-        token = on_engine(lambda t=token: step([t]))
-    return [torch.cat([q[0] for q in forwards], dim=1) for forwards in captured]
-
-
-def reference_queries(
-    model: Transformer,
-    tokenizer: Any,
-    cache: KVCache,
-    row: int,
-    context_ids: list[int],
-    source: str,
-    on_engine: OnEngine = inline,
-    segment: int | None = None,
-) -> Iterator[Tensor]:
-    """Per layer, in layer order, [H, n, D] fp32: the queries of `source`, one of
-    QUERY_SOURCES bar "on-policy" (which only exists during a compaction). The long forwards
-    advance in step, one layer each, so one layer's queries are held at a time. `segment`:
-    on a row compacted before, its last compaction's segment_slots (`repeat_band`)."""
-    engine = _as_engine(on_engine)
-    streams: list[Iterator[Tensor]] = []
-    layers = model.config.num_layers
-    if source == "context":
-        streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
-    names = source.split("+")
-    if "repeat" in names or "repeat-banded" in names:
-        instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
-        ids = instruction + context_ids
-        band = None
-        if "repeat-banded" in names:
-            band = repeat_band(cache, row, len(instruction), segment)
-        stages = _stages(model, ids, engine.pace, cache, row, band)
-        streams.append(engine.layers(stages, layers))
-    if "self-study" in names:
-        streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
-    for parts in zip(*streams, strict=True):
-        yield torch.cat(parts, dim=1)
-
-
-def context_key_queries(
-    model: Transformer,
-    cache: KVCache,
-    row: int,
-    context_ids: list[int],
-    count: int,
-    seed: int,
-    on_engine: OnEngine = inline,
-    segment: int | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Per layer, in layer order: the context's own queries [H, n, D] fp32 at n <= `count`
-    seeded random positions, and those positions [n] (ascending), for ranking keys
-    (KEY_QUERIES). The row's slots that are its own tokens are all of them on a row never
-    compacted, and those after its first `segment` slots on a row compacted before (the
-    segment_slots of its last compaction; None: not known). Those tokens are run again over
-    the row's cache, each seeing the slots up to its own as at prefill
-    (`models.attention.reread_mask`): the same queries a causal pass over the whole context
-    would give there, for count / T of its projections and MLPs (`count` is a few hundred
-    where the fits take a few thousand queries) and about half its attention per token; on a
-    compacted row, the queries its tokens have over the cache as it is now, for a fraction of
-    a pass over its whole logical history (online compaction re-compacts such rows). Else
-    (a row never compacted with `count` >= T, a compacted one whose segment is not known) the
-    whole context's causal pass. The pass is set up (the cache grown) here; it runs as the
-    iterator is read."""
-    engine = _as_engine(on_engine)
-    n, length, logical = len(context_ids), cache.lengths[row], cache.logical[row]
-    if logical == length:
-        segment = 0  # every slot is a token (a segment always stands for more than its slots)
-    own = 0 if segment is None or not 0 <= segment < length else length - segment
-    if logical == n and own > 0 and (segment or count < n):
-        generator = torch.Generator().manual_seed(seed)
-        picked = torch.randperm(own, generator=generator)[:count].sort().values  # [n']
-        first = n - own  # the context index of the first token slot
-        ids = [context_ids[first + i] for i in picked.tolist()]
-        slots = picked + (length - own)
-        stages = _stages(model, ids, engine.pace, cache, row, reread=slots)
-        positions = slots + (logical - length)
-    else:
-        positions = torch.arange(n)
-        stages = _stages(model, context_ids, engine.pace)
-    return ((q, positions) for q in engine.layers(stages, model.config.num_layers))
-
-
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
 def compact_row(
     model: Transformer,
@@ -415,9 +134,9 @@ def compact_row(
     keep_recent: int = 0,
     seed: int = 0,
     max_queries: int = 2048,
-    on_engine: OnEngine = inline,
+    on_engine: OnEngine[Any] = inline,
     omp_budget: float | None = None,
-    on_fit: OnEngine = inline,
+    on_fit: OnEngine[Any] = inline,
     reference: list[Tensor] | None = None,
     urgent: Callable[[], bool] | None = None,
     quantize: str | None = None,
@@ -452,25 +171,10 @@ def compact_row(
     them (each KV head ranks by its group's queries at those positions). `segment_slots`: on
     a row compacted before, its last compaction's (the report's); lets the context ranking
     re-read the tokens after the segment instead of a causal pass over the whole history."""
-    if method not in METHODS:
-        raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
     query_source = query_source or default_query_source(method, model.device)
-    if method in CONTEXT_SCORED and query_source != "context":
-        raise ValueError(
-            f"{method} scores keys with the context's own queries: query_source must be "
-            f"'context', not {query_source!r}"
-        )
-    if query_source not in QUERY_SOURCES:
-        raise ValueError(
-            f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
-        )
-    key_queries = resolve_key_queries(method, key_queries)
     length = cache.lengths[row]
-    region = length - keep_recent
-    if keep_recent < 0 or region < 1:
-        raise ValueError(f"keep_recent={keep_recent} leaves nothing of {length} slots to compact")
-    if not 1 <= target <= region:
-        raise ValueError(f"target {target} must be between 1 and the {region} slots compacted")
+    region = check_options(method, query_source, budgets, quantize, length, keep_recent, target)
+    key_queries = resolve_key_queries(method, key_queries)
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     budget = None if omp_budget is None else OmpBudget.starting_now(omp_budget)
@@ -489,10 +193,6 @@ def compact_row(
     )
     if method == "expected_attention":
         fit.rope = _expected_attention_rope(model, len(context_ids), cache.logical[row])
-    if budgets not in BUDGETS:
-        raise ValueError(f"unknown budgets {budgets!r}; known: {', '.join(BUDGETS)}")
-    if budgets == "attention" and query_source == "on-policy":
-        raise ValueError("budgets by attention need every layer's queries first: not on-policy")
     if budgets == "measured":
         if schedule is None:
             raise ValueError("this model has no measured budget schedule (budgets)")
@@ -510,8 +210,7 @@ def compact_row(
     if query_source == "on-policy":
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine, ranking)
     else:
-        n_queries = 0
-        queries = reference
+        queries: Iterable[Tensor] | None = reference
         if queries is None and method in UNSCORED and query_source == "context":
             # Nothing scores these keys: the queries only measure the output error, which a
             # re-read sample measures as well as a pass over the whole (logical) context.
@@ -524,24 +223,20 @@ def compact_row(
                 model, tokenizer, cache, row, context_ids, query_source, engine, segment_slots
             )
         if budgets == "attention":
-            queries = list(queries)  # every layer's, before any fit
+            every = list(queries)  # every layer's, before any fit
             fit.head_targets = on_fit(
                 lambda: compaction_budgets.allocate(
-                    model.config, cache, row, region, target, queries, fit.generator, longest
+                    model.config, cache, row, region, target, every, fit.generator, longest
                 )
             )
-        for layer, q in enumerate(queries):
-            # the context's queries in step
-            fit(layer, q, (q, torch.arange(q.shape[1])) if own else next(ranking))
-            n_queries = int(q.shape[1])
+            queries = every
+        n_queries = _fit_layers(fit, queries, ranking, own)
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
     codes = None
     if quantize == "int8":  # the codes stand for the segment from now on, here too
         codes = on_fit(lambda: quantize_prefix(cache, fit.slots, row))
-    elif quantize is not None:
-        raise ValueError(f"unknown quantization {quantize!r}; known: int8")
     seconds = {k: round(v, 4) for k, v in seconds.items()}
     seconds["total"] = round(time.perf_counter() - started, 4)
     return CompactionReport(
@@ -568,6 +263,21 @@ def compact_row(
     )
 
 
+def _fit_layers(
+    fit: _LayerFit,
+    queries: Iterable[Tensor],
+    ranking: Iterator[tuple[Tensor, Tensor] | None],
+    own: bool,
+) -> int:
+    """Fit each layer as its reference queries [H, n, D] arrive, its keys ranked by `ranking`'s
+    context queries (or, `own`, by these very queries: they are the context's). Returns n."""
+    n_queries = 0
+    for layer, q in enumerate(queries):
+        fit(layer, q, (q, torch.arange(q.shape[1])) if own else next(ranking))
+        n_queries = int(q.shape[1])
+    return n_queries
+
+
 @dataclass(eq=False)
 class _LayerFit:
     """Compacts one layer of a row (every KV head) from its reference queries, and collects
@@ -583,7 +293,7 @@ class _LayerFit:
     max_queries: int
     seconds: dict[str, float]
     budget: OmpBudget | None = None
-    on_fit: OnEngine = inline
+    on_fit: OnEngine[Any] = inline
     # Expected Attention's RoPE tables: (cos, sin) of the context queries' positions [n, D],
     # then of the future positions [F, D].
     rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
@@ -620,7 +330,8 @@ class _LayerFit:
             with torch.no_grad():  # grad mode is per thread: say it where the work runs
                 return self._fit(layer, queries, ranking)
 
-        return self.on_fit(work)
+        segment: tuple[Tensor, Tensor, Tensor] = self.on_fit(work)
+        return segment
 
     def _fit(
         self, layer: int, queries: Tensor, ranking: tuple[Tensor, Tensor] | None
@@ -739,7 +450,7 @@ def _expected_attention_rope(
     return cos, sin, future_cos, future_sin
 
 
-def _splice(work: KVCache, layer: int, segment: tuple[Tensor, Tensor, Tensor], region: int):
+def _splice(work: KVCache, layer: int, segment: tuple[Tensor, Tensor, Tensor], region: int) -> None:
     """Put a layer's compacted segment into the working copy: this layer's attention, and every
     layer above, then runs on the compacted cache. The slots the segment replaces stay in
     place (so every layer keeps one length) but can no longer be attended to."""

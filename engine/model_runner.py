@@ -69,7 +69,7 @@ class ModelRunner:
             valid[i, : len(tokens)] = True
         ragged = any(len(tokens) != width for _, tokens in run)
         first = run[0][0]
-        hidden = self.model(
+        hidden: Tensor = self.model(
             ids, cache=cache, rows=(first, first + len(run)), valid=valid if ragged else None
         )  # [k, W, hidden]
         last = torch.tensor([len(tokens) - 1 for _, tokens in run], device=device)
@@ -123,7 +123,7 @@ class ModelRunner:
         device, d = model.device, model.config.head_dim
         cos, sin = model.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
         x = model.embed_tokens(torch.tensor(list(ids), device=device))  # [T, hidden]
-        return stack.forward(
+        hidden: Tensor = stack.forward(  # the fused kernels' extension: untyped
             x,
             cache.keys,
             cache.values,
@@ -134,11 +134,13 @@ class ModelRunner:
             cos.reshape(-1, d).contiguous(),  # [T, D]
             sin.reshape(-1, d).contiguous(),
         )
+        return hidden
 
     # ---- the model's own calls -----------------------------------------------------------
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
         """`Transformer.forward` (padded rows, a row range of a cache, a pattern)."""
-        return self.model(input_ids, **kwargs)
+        hidden: Tensor = self.model(input_ids, **kwargs)  # nn.Module.__call__ returns Any
+        return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.logits(hidden)

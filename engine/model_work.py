@@ -11,12 +11,13 @@ Run these functions from a thread that may block, never the event loop.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.kv_compaction import OnEngine, inline
+from engine.compaction_queries import OnEngine, inline
 from models.kv_cache import KVCache
 from models.transformer import Transformer
 
@@ -41,7 +42,7 @@ def _chunks(ids: list[int]) -> list[list[int]]:
 def prefill(
     model: Transformer,
     ids: list[int],
-    on_engine: OnEngine = inline,
+    on_engine: OnEngine[None] = inline,
     urgent: Callable[[], bool] = lambda: False,
 ) -> KVCache:
     """A fresh batch-1 cache holding `ids`, prefilled one chunk per piece of work: of
@@ -58,13 +59,16 @@ def prefill(
     start = 0
     while start < len(ids):
         chunk = ids[start : start + (URGENT_CHUNK_TOKENS if urgent() else CHUNK_TOKENS)]
-        on_engine(lambda c=chunk: run(c))
+        on_engine(functools.partial(run, chunk))
         start += len(chunk)
     return cache
 
 
 def prompt_logprobs(
-    model: Transformer, ids: list[int], top_k: int, on_engine: OnEngine = inline
+    model: Transformer,
+    ids: list[int],
+    top_k: int,
+    on_engine: OnEngine[list[PromptLogprob]] = inline,
 ) -> list[PromptLogprob]:
     """Every prompt token's logprob under the model (the first has none) and the top_k
     alternatives at each position, one chunk per piece of work."""
@@ -87,5 +91,5 @@ def prompt_logprobs(
         return rows
 
     for n, chunk in enumerate(_chunks(ids)):
-        out += on_engine(lambda c=chunk, s=n * CHUNK_TOKENS: score(c, s))
+        out += on_engine(functools.partial(score, chunk, n * CHUNK_TOKENS))
     return out

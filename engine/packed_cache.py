@@ -25,7 +25,7 @@ from torch import Tensor
 
 from engine.kv_quant import QuantizedSegment
 from engine.ragged import visible_slots
-from engine.session_files import cache_from_parts, segment_tensors
+from engine.segment_tensors import cache_from_parts, segment_tensors
 from models.kv_cache import KVCache
 
 

@@ -38,8 +38,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import ragged
 from engine.kv_quant import QuantizedSegment
+from engine.segment_tensors import (
+    cache_from_parts,
+    segment_tensors,
+)
 from models.fetch import fsync_dir
 from models.kv_cache import KVCache
 
@@ -131,37 +134,6 @@ def _write_json(obj: Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def segment_tensors(
-    cache: KVCache, start: int, end: int, codes: QuantizedSegment | None = None
-) -> dict[str, torch.Tensor]:
-    """Slots [start, end) of row 0 of `cache`, every layer, as the named tensors a segment
-    file holds: `k.<layer>`, `v.<layer>`, or the int8 codes of `codes` where given (then they
-    are exactly slots [0, codes.slots): `kq`, `vq`, `vs`, `ks`), and `b.<layer>`, the biases. A
-    layer whose slots include masked ones (a -inf bias: the padding of non-uniform budgets) is
-    ragged: only the visible slots, every head's after the other's, and which they are
-    (`m.<layer>`, [Hkv, n] bool), so padding takes no room. On the codes' device (the CPU)
-    where given, else the cache's; some may be views of the cache."""
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(cache.num_layers):
-        keys, values, bias = cache.read(0, layer)  # [Hkv, n, D], [Hkv, n]
-        device = keys.device if codes is None else codes.keys[layer].device
-        part = {}
-        if codes is not None:
-            part["kq"], part["vq"] = codes.keys[layer], codes.values[layer]
-            part["vs"] = codes.value_scales[layer]
-            tensors[f"ks.{layer}"] = codes.key_scales[layer].contiguous()  # per channel
-        else:
-            part["k"], part["v"] = keys[:, start:end], values[:, start:end]
-        if bias is not None:
-            part["b"] = bias[:, start:end].to(device)
-            visible = ragged.visible_slots(part["b"])  # [Hkv, n] or None
-            if visible is not None:
-                part = ragged.squeeze(part, visible)  # [sum, ...]
-                tensors[f"m.{layer}"] = visible
-        tensors |= {f"{name}.{layer}": t.contiguous() for name, t in part.items()}
-    return tensors
 
 
 def _write_segment(
@@ -272,66 +244,6 @@ def read_cache(
         with safe_open(str(folder / seg.file), framework="pt") as f:
             parts.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     return cache_from_parts(parts, version.length, version.logical, device, dtype)
-
-
-def cache_from_parts(
-    parts: list[dict[str, torch.Tensor]],
-    length: int,
-    logical: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[KVCache, QuantizedSegment | None]:
-    """A batch-1 cache of `length` slots from consecutive segments' tensors (`segment_tensors`,
-    none of them changed here), and the int8 codes the first one holds (None if it holds plain
-    tensors); ragged layers padded back (masked slots: zero keys and values, a -inf bias)."""
-    parts = [_unragged(dict(part)) for part in parts]
-    layers = sum(1 for name in parts[0] if name.startswith(("k.", "kq.")))
-    codes = None
-    if "kq.0" in parts[0]:
-        codes = QuantizedSegment(
-            keys=[parts[0][f"kq.{i}"] for i in range(layers)],
-            key_scales=[parts[0][f"ks.{i}"] for i in range(layers)],
-            values=[parts[0][f"vq.{i}"] for i in range(layers)],
-            value_scales=[parts[0][f"vs.{i}"] for i in range(layers)],
-        )
-        for i in range(layers):  # the dense cache holds the codes' values
-            parts[0][f"k.{i}"], parts[0][f"v.{i}"] = codes.layer(i, dtype, device)
-    # Exactly its slots: a request copies the session into the engine's batch cache, and what
-    # writes past them (a compaction's reference pass) grows the buffers itself.
-    capacity = max(1, length)
-    has_bias = any("b.0" in p for p in parts)
-
-    def join(prefix: str, layer: int, dt: torch.dtype) -> torch.Tensor:
-        pieces = []
-        for part in parts:
-            if f"{prefix}.{layer}" in part:
-                pieces.append(part[f"{prefix}.{layer}"].to(device=device, dtype=dt))
-            else:  # a segment written before the first compaction: no bias there
-                keys = part[f"k.{layer}"]
-                pieces.append(torch.zeros(keys.shape[:2], device=device, dtype=dt))
-        whole = torch.cat(pieces, dim=1)  # [Hkv, n, ...]
-        out = torch.zeros(1, whole.shape[0], capacity, *whole.shape[2:], device=device, dtype=dt)
-        out[0, :, :length] = whole
-        return out
-
-    keys = [join("k", i, dtype) for i in range(layers)]
-    values = [join("v", i, dtype) for i in range(layers)]
-    biases = [join("b", i, torch.float32) for i in range(layers)] if has_bias else None
-    return KVCache(keys, values, [length], [logical], biases), codes
-
-
-def _unragged(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A segment file's tensors with its ragged layers padded back to [Hkv, n, ...]."""
-    for name in [k for k in part if k.startswith("m.")]:
-        layer = name[2:]
-        visible = part.pop(name)  # [Hkv, n] bool
-        for kind in ("k", "v", "kq", "vq", "vs", "b"):
-            flat = part.get(f"{kind}.{layer}")
-            if flat is None:
-                continue
-            fill = float("-inf") if kind == "b" else 0.0
-            part[f"{kind}.{layer}"] = ragged.unsqueeze(flat, visible, fill)
-    return part
 
 
 def _remove_unreferenced(folder: Path, version: Version) -> None:

@@ -34,7 +34,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
 
@@ -42,6 +44,8 @@ from engine import session_files
 from engine.session_files import CorruptSession, Version
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 CHUNK_BYTES = 64 << 20  # segment bytes per Redis value (Redis refuses values over 512 MB)
 TOMBSTONE_SECONDS = 30 * 24 * 3600  # how long a delete is remembered for replicas' old copies
@@ -92,6 +96,7 @@ class SessionMirror:
         lease_seconds: float = 30.0,
         chunk_bytes: int = CHUNK_BYTES,
     ):
+        # Without decode_responses: its replies are bytes (redis-py types them bytes | str).
         self.client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         self.prefix = prefix
         self.chunk_bytes = chunk_bytes  # every replica of one tier must use the same
@@ -111,7 +116,7 @@ class SessionMirror:
     # ---- versions --------------------------------------------------------------------------
     def current(self, sid: str) -> str | None:
         """The shared copy's "<generation>:<commit>" (None: there is none)."""
-        value = self._call(self.client.get, self._key(sid, "gen"))
+        value = cast(bytes | None, self._call(self.client.get, self._key(sid, "gen")))
         return None if value is None else value.decode()
 
     def deleted(self, sid: str) -> bool:
@@ -152,7 +157,7 @@ class SessionMirror:
         """Install the shared copy in `folder` (replacing what is there); None if there is
         none. The caller holds the session's lock (or the session is not in the table yet)."""
         for _ in range(3):
-            meta = self._call(self.client.get, self._key(sid, "meta"))
+            meta = cast(bytes | None, self._call(self.client.get, self._key(sid, "meta")))
             if meta is None:
                 return None
             try:
@@ -163,10 +168,13 @@ class SessionMirror:
                 ) from None
             files: dict[str, bytes] = {}
             for name, size in segments:
-                parts = self._call(self.client.mget, self._part_keys(sid, name, size))
+                parts = cast(
+                    list[bytes | None],
+                    self._call(self.client.mget, self._part_keys(sid, name, size)),
+                )
                 if any(p is None for p in parts):
                     break  # a newer version was published meanwhile and dropped this one
-                files[name] = b"".join(parts)
+                files[name] = b"".join(cast(list[bytes], parts))  # none is missing
             else:
                 try:
                     return session_files.install(folder, meta, files)
@@ -189,7 +197,7 @@ class SessionMirror:
         parts = max(1, -(-size // self.chunk_bytes))
         return [self._key(sid, f"seg:{name}:{i}") for i in range(parts)]
 
-    def _forget_segments(self, sid: str, segments: list[dict]) -> None:
+    def _forget_segments(self, sid: str, segments: list[dict[str, Any]]) -> None:
         """Drop the keys of segments no version names any more (best effort: a leftover only
         costs space)."""
         keys = [k for s in segments for k in self._part_keys(sid, s["file"], int(s["bytes"]))]
@@ -250,7 +258,7 @@ class SessionMirror:
         self.client.close()
 
     @staticmethod
-    def _call(fn, *args, **kwargs):
+    def _call(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except redis.RedisError as e:

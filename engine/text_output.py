@@ -56,7 +56,7 @@ class TextAssembler:
     def _decode_new(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self._prefix_offset :], skip_special_tokens=True)
+        after: str = decode(self.ids[self._prefix_offset :], skip_special_tokens=True)
         if (after.endswith("\ufffd") and not final) or len(after) <= len(before):
             # Incomplete character (or nothing visible yet): wait for more tokens.
             return ""

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from engine.interface import TokenLogprob
 from engine.served_model import ServedModel
 from server import streaming
 from server.errors import APIError
@@ -36,9 +37,10 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
         )
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        return served.tokenizer.apply_chat_template(
+        prompt: str = served.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
+        return prompt
     except Exception as e:  # a template that rejects the conversation (roles, order, ...)
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
@@ -65,12 +67,12 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
     return plan_choices(served, req, [(ids, text)], max_tokens, top)
 
 
-def _logprob_entry(tokenizer: Any, token: int, logprob: float) -> dict:
+def _logprob_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.decode([token])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _content_logprobs(tokenizer: Any, logprobs: list[Any]) -> list[dict]:
+def _content_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [
         {
             **_logprob_entry(tokenizer, lp.token, lp.logprob),
@@ -85,11 +87,11 @@ async def complete(
     req: ChatCompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
-) -> dict:
+) -> dict[str, Any]:
     started = time.perf_counter()
     tally = UsageCount()
     texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
-    logprobs: dict[int, list[dict]] = {i: [] for i in range(len(choices))}
+    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(choices))}
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
     try:
         async for i, out in run_choices(served, choices):
@@ -146,7 +148,12 @@ async def _chunks(
     head: StreamHead,
     tally: UsageCount,
 ) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict, finish: str | None, logprobs: list | None = None) -> str:
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> str:
         content = {"content": logprobs} if req.logprobs else None
         choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
         return head.chunk(choice)

@@ -9,12 +9,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models import kernels
 from models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL, SHIPPED, default_name, resolve
+
+if TYPE_CHECKING:  # parse_model_spec imports it where it runs
+    from server.state import ModelSpec
 
 # SmolLM2 (autoregressive) and our CDLM student (diffusion, models/shipped/), side by side.
 DEFAULT_MODELS = f"{DEFAULT_AR_MODEL},{DEFAULT_DLM_MODEL}"  # routed by the request's `model`
@@ -42,7 +45,7 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     return DTYPES[choice]
 
 
-def parse_model_spec(text: str):
+def parse_model_spec(text: str) -> ModelSpec:
     """NAME=SOURCE, or just SOURCE (served under the source's own name)."""
     from server.state import ModelSpec
 

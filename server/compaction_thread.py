@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+from engine.compaction_queries import OnEngine
 from engine.core_share import CoreShare
-from engine.kv_compaction import OnEngine
-from engine.session_store import Session
+from engine.session import Session
 from server.errors import APIError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 MAX_WAITING_COMPACTIONS = 4
 
 
@@ -34,7 +35,8 @@ class Compactions:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
         self._count = 0
         self._lock = threading.Lock()
-        self._auto: dict[str, asyncio.Task] = {}  # session id -> its pending online compaction
+        # session id -> its pending online compaction
+        self._auto: dict[str, asyncio.Task[None]] = {}
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -52,7 +54,9 @@ class Compactions:
             with self._lock:
                 self._count -= 1
 
-    async def run(self, fn, *args: Any, on_engine: OnEngine, **kwargs: Any) -> Any:
+    async def run(
+        self, fn: Callable[..., R], *args: Any, on_engine: OnEngine[Any], **kwargs: Any
+    ) -> R:
         """`fn(*args, on_engine=..., on_fit=..., **kwargs)` on the compaction thread. It counts
         as busy in the core share while it fits (each fit through the share, `on_fit`), and as
         idle while a piece of its model work runs on the engine thread (`on_engine`)."""
@@ -60,11 +64,12 @@ class Compactions:
         def piece(work: Callable[[], T]) -> T:
             self.cores.leave()
             try:
-                return on_engine(work)
+                result: T = on_engine(work)  # work's own result
+                return result
             finally:
                 self.cores.enter()
 
-        def job() -> Any:
+        def job() -> R:
             with self.cores.working():
                 return fn(*args, on_engine=piece, on_fit=self.cores.run, **kwargs)
 
@@ -88,7 +93,7 @@ class Compactions:
         self._auto[session.id] = task
         session.auto_pending = True  # said before the request that grew it is answered
 
-        def done(_: asyncio.Task) -> None:
+        def done(_: asyncio.Task[None]) -> None:
             self._auto.pop(session.id, None)
             session.auto_pending = False
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Any
 
-from engine.kv_compaction import compact_row, resolve_key_queries
+from engine.compaction_options import resolve_key_queries
+from engine.kv_compaction import compact_row
 from engine.served_model import ServedModel
-from engine.session_store import Session
+from engine.session import Session
 from server.errors import APIError
 from server.schemas import CompactRequest
 from server.session_access import load_cache, locked, persist, spill
@@ -24,7 +26,7 @@ MIN_RATIO = 1.5
 
 async def compact(
     state: ServerState, served: ServedModel, session: Session, req: CompactRequest
-) -> dict:
+) -> dict[str, Any]:
     """A requested compaction of the session: checked (400), run, committed."""
     try:
         resolve_key_queries(req.method, req.key_queries)
@@ -52,7 +54,9 @@ async def compact(
     return body
 
 
-async def auto_compact(state: ServerState, served: ServedModel, session: Session) -> dict | None:
+async def auto_compact(
+    state: ServerState, served: ServedModel, session: Session
+) -> dict[str, Any] | None:
     """The compaction the session's policy asks for now, if it still does once the session
     is locked (a request may have got there first); None if there is nothing to do."""
     async with locked(state.sessions, session, state.settings.session_lock_wait):
@@ -131,7 +135,7 @@ async def _run(
     key_queries: str | None,
     auto: bool = False,
     longest: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Compact the locked session's loaded cache to `target` slots (plus the kept recent
     ones), commit it, and record it; the report."""
     cache = session.cache

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import model_work
+from engine.interface import TokenLogprob
 from engine.served_model import ServedModel
 from server import streaming
 from server.errors import APIError
@@ -50,11 +51,11 @@ class LegacyLogprobs:
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
-    def add_outputs(self, logprobs: list[Any]) -> None:
+    def add_outputs(self, logprobs: list[TokenLogprob]) -> None:
         for lp in logprobs:
             self.add(lp.token, lp.logprob, lp.top)
 
-    def body(self, start: int = 0) -> dict:
+    def body(self, start: int = 0) -> dict[str, Any]:
         return {
             "tokens": self.tokens[start:],
             "token_logprobs": self.token_logprobs[start:],
@@ -69,7 +70,7 @@ async def complete(
     req: CompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
-) -> dict:
+) -> dict[str, Any]:
     started = time.perf_counter()
     tally = UsageCount()
     texts: dict[int, list[str]] = {
@@ -82,8 +83,9 @@ async def complete(
             texts[i].append(out.text)
             tally.add(out)
             finish[i] = out.finish_reason or finish[i]
-            if logprobs[i] is not None:
-                logprobs[i].add_outputs(out.logprobs)
+            lp = logprobs[i]
+            if lp is not None:
+                lp.add_outputs(out.logprobs)
     except asyncio.CancelledError:  # the client went away: counted as an abort
         record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
         raise
@@ -98,7 +100,7 @@ async def complete(
             {
                 "index": c.index,
                 "text": "".join(texts[i]),
-                "logprobs": None if logprobs[i] is None else logprobs[i].body(),
+                "logprobs": None if (lp := logprobs[i]) is None else lp.body(),
                 "finish_reason": finish[i],
             }
             for i, c in enumerate(choices)
@@ -152,7 +154,9 @@ async def _chunks(
     head: StreamHead,
     tally: UsageCount,
 ) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> str:
+    def chunk(
+        index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return head.chunk(choice)
 

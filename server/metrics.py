@@ -8,7 +8,7 @@ DLM-specific series: steps per request, tokens finalized per step, step latency.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
@@ -40,7 +40,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         model = ["model_name"]
 
-        def histogram(name: str, doc: str, labels: list[str], buckets) -> Histogram:
+        def histogram(
+            name: str, doc: str, labels: list[str], buckets: Sequence[float]
+        ) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         def counter(name: str, doc: str, labels: list[str]) -> Counter:

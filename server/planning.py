@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import limits
-from engine.dlm_engine import DLMEngine, DLMParams
+from engine.dlm_engine import DLMEngine
+from engine.dlm_sequence import DLMParams
 from engine.engine_thread import QueueFull
-from engine.interface import EngineOutput
+from engine.interface import Engine, EngineOutput
 from engine.sampling import SamplingParams
 from engine.served_model import ServedModel
-from engine.session_store import Session
+from engine.session import Session
 from engine.unmasking import DREAM_ALGS, LLADA_REMASKING
 from server.errors import APIError
 from server.metrics import Metrics
@@ -230,7 +231,9 @@ async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
     def build(request_id: str, aborted: Callable[[], bool]) -> Any:
-        return served.engine.new_sequence(
+        # Either engine: `_params` gave the choice parameters of the model's own kind.
+        engine: Engine[Any] = served.engine
+        return engine.new_sequence(
             request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
         )
 
@@ -249,7 +252,7 @@ async def run_choices(served: ServedModel, choices: list[Choice]) -> AsyncIterat
         async for out in run_choice(served, choices[0]):
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()  # an output, error or `done`
     done = object()
 
     async def pump(i: int, choice: Choice) -> None:
@@ -281,7 +284,7 @@ def new_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict:
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict[str, int]:
     # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
     body = {
@@ -297,7 +300,7 @@ def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount)
 def record(
     metrics: Metrics | None,
     served: ServedModel,
-    body: dict,
+    body: dict[str, int],
     tally: UsageCount,
     started: float,
     n_choices: int,

@@ -22,7 +22,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.session_store import SESSION_ID_PATTERN
+from engine.session import SESSION_ID_PATTERN
 from server.errors import APIError, error_response
 
 log = logging.getLogger("server.app")

@@ -4,6 +4,8 @@ routes are in `server/sessions_api.py`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,7 +38,7 @@ def health(state: State) -> JSONResponse:
 
 
 @router.get("/version")
-def version() -> dict:
+def version() -> dict[str, Any]:
     return {"version": VERSION}
 
 
@@ -46,7 +48,7 @@ def metrics(state: State) -> Response:
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
-def list_models(state: State) -> dict:
+def list_models(state: State) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -68,7 +70,7 @@ def list_models(state: State) -> dict:
     responses={**SESSION_ERROR_RESPONSES, 409: ERROR_RESPONSES[400]},
     operation_id="create_completion",
 )
-async def create_completion(req: CompletionRequest, request: Request, state: State):
+async def create_completion(req: CompletionRequest, request: Request, state: State) -> Response:
     served = state.get(req.model)
     req.session_id = session_from_header(request, req.session_id)
     if req.session_id is not None:
@@ -88,7 +90,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Sta
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: State):
+async def create_chat_completion(
+    req: ChatCompletionRequest, request: Request, state: State
+) -> Response:
     served = state.get(req.model)
     choices = chat.plan_chat(served, req)
     if req.stream:

@@ -7,16 +7,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.attention_matching import METHODS
+from engine.compaction_options import BUDGETS, KEY_QUERIES, QUERY_SOURCES
 from engine.dlm_modes import MODES
-from engine.kv_compaction import BUDGETS, KEY_QUERIES, QUERY_SOURCES
-from engine.session_store import SESSION_ID_PATTERN
+from engine.session import SESSION_ID_PATTERN
 from server.request_limits import MAX_DLM_STEPS, MAX_PROMPTS, MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
 # Request bodies: strict JSON types, unknown fields ignored, no NaN or infinite numbers.
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-def session_id_field():  # the one rule (engine.session_store), as a schema pattern
+def session_id_field() -> Any:  # the one rule (engine.session_store), as a schema pattern
     return Field(None, pattern=f"^{SESSION_ID_PATTERN}$")
 
 
@@ -143,8 +143,8 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):

@@ -16,8 +16,9 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from engine.served_model import ServedModel
+from engine.session import Session, SessionError, check_id
 from engine.session_mirror import MirrorError, SessionConflict
-from engine.session_store import Session, SessionError, SessionStore, check_id
+from engine.session_store import SessionStore
 from models.kv_cache import KVCache
 from server.errors import APIError
 from server.state import ServerState
@@ -115,7 +116,7 @@ async def _take_lease(store: SessionStore, sid: str, wait: float) -> bool:
         return await asyncio.shield(taking)
     except asyncio.CancelledError:
 
-        def give_back(done: asyncio.Future) -> None:
+        def give_back(done: asyncio.Future[bool]) -> None:
             if not done.cancelled() and done.exception() is None and done.result():
                 threading.Thread(target=store.drop_lease, args=(sid,), daemon=True).start()
 

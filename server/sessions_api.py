@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine import model_work
 from engine.auto_compaction import AutoCompact
 from engine.served_model import ServedModel
+from engine.session import Session, SessionError
 from engine.session_mirror import MirrorError
-from engine.session_store import Session, SessionError
 from server import completions, planning, streaming
 from server.compactions import after_append, compact
 from server.errors import APIError
@@ -83,6 +83,7 @@ async def continue_session(
 ) -> Response:
     """POST /v1/completions with `session_id`: continue from the session's cache. With
     `append`, the grown session is on disk before the answer (or the stream's [DONE])."""
+    assert req.session_id is not None  # create_completion's check
     session = await find(state, req.session_id)
     if session.model != req.model:
         raise APIError(
@@ -110,7 +111,7 @@ async def _continuation(
     session: Session,
     req: CompletionRequest,
     request: Request,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """Yields None once admitted (the session locked and loaded, the request planned), then
     the stream's chunks or the one response body."""
     store = state.sessions
@@ -197,7 +198,7 @@ LINKS = {
     operation_id="create_session",
     responses={**SESSION_ERROR_RESPONSES, 201: {"description": "the session", "links": LINKS}},
 )
-async def create_session(req: SessionCreateRequest, state: State):
+async def create_session(req: SessionCreateRequest, state: State) -> JSONResponse:
     store, wait = state.sessions, state.settings.session_lock_wait
     served = state.get(req.model)
     if served.is_diffusion:
@@ -251,22 +252,33 @@ async def create_session(req: SessionCreateRequest, state: State):
     return JSONResponse(session.describe(), status_code=201)
 
 
-@router.get("/v1/sessions", operation_id="list_sessions", responses=ERROR_RESPONSES)
-async def list_sessions(state: State):
+# response_model=None here and below: FastAPI would make a response model of each return
+# annotation (changing the OpenAPI document and checking bodies against it).
+@router.get(
+    "/v1/sessions", operation_id="list_sessions", responses=ERROR_RESPONSES, response_model=None
+)
+async def list_sessions(state: State) -> dict[str, Any]:
     store = state.sessions
     return {"object": "list", "data": [s.describe() for s in store.all()]}
 
 
-@router.get("/v1/sessions/{sid}", operation_id="get_session", responses=ERROR_RESPONSES)
-async def get_session(sid: str, state: State):
+@router.get(
+    "/v1/sessions/{sid}", operation_id="get_session", responses=ERROR_RESPONSES, response_model=None
+)
+async def get_session(sid: str, state: State) -> dict[str, Any]:
     store = state.sessions
     session = await find(state, sid)
     await catch_up(store, session)
     return session.describe()
 
 
-@router.delete("/v1/sessions/{sid}", operation_id="delete_session", responses=ERROR_RESPONSES)
-async def delete_session(sid: str, state: State):
+@router.delete(
+    "/v1/sessions/{sid}",
+    operation_id="delete_session",
+    responses=ERROR_RESPONSES,
+    response_model=None,
+)
+async def delete_session(sid: str, state: State) -> dict[str, Any]:
     store, wait = state.sessions, state.settings.session_lock_wait
     session = await find(state, sid)
 
@@ -282,9 +294,12 @@ async def delete_session(sid: str, state: State):
 
 
 @router.post(
-    "/v1/sessions/{sid}/compact", operation_id="compact_session", responses=SESSION_ERROR_RESPONSES
+    "/v1/sessions/{sid}/compact",
+    operation_id="compact_session",
+    responses=SESSION_ERROR_RESPONSES,
+    response_model=None,
 )
-async def compact_session(sid: str, req: CompactRequest, state: State):
+async def compact_session(sid: str, req: CompactRequest, state: State) -> dict[str, Any]:
     session = await find(state, sid)
     served = model_for(state, session)
     if (req.ratio is None) == (req.target_tokens is None):

@@ -18,7 +18,7 @@ from server.metrics import Metrics
 from server.planning import Choice, UsageCount, new_id, record, usage
 
 
-def sse(payload: dict | str) -> str:
+def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
 
@@ -55,7 +55,7 @@ class StreamHead:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return cls(new_id(prefix), obj, int(time.time()), served.name, include_usage)
 
-    def body(self, choices: list[dict]) -> dict[str, Any]:
+    def body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": self.object,
@@ -64,7 +64,7 @@ class StreamHead:
             "choices": choices,
         }
 
-    def chunk(self, choice: dict) -> str:
+    def chunk(self, choice: dict[str, Any]) -> str:
         body = self.body([choice])
         if self.include_usage:
             body["usage"] = None

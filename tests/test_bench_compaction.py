@@ -69,7 +69,7 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
     """bench/head_budgets.py's influence cache: the uniform segment padded to 2t decodes like
     the compacted cache itself, swapping one head's segment writes that head alone (in every
     row), and the batched facts NLL is the mean of each question's own."""
-    from bench.compaction import answer_nll
+    from bench.facts import answer_nll
     from bench.head_budgets import facts_nll, put_head, segments, swapped_cache
 
     context = [(5 * i) % 190 + 7 for i in range(120)]

@@ -1,4 +1,5 @@
-"""Attention Matching on single heads with known answers."""
+"""Compacting a model's cache row end to end (engine/kv_compaction.py): queries, fits, splice,
+budgets, storage of the segment."""
 
 from __future__ import annotations
 
@@ -9,292 +10,11 @@ import torch
 
 from cpu_features import skip_unless
 from engine.attention_matching import (
-    HIGHEST_AGGREGATE,
-    METHODS,
     HeadInputs,
-    compact_head,
-    fit,
-    highest_attention_scores,
-    keep,
-    mass_error,
-    relative_output_error,
     select_keys,
-    summary,
-    targets,
 )
-from engine.nnls import _reduced, gram_nnls, nonnegative_weights, pivoting_nnls
-from tolerances import assert_reordered_close
 
 
-def _head(
-    total: int = 200, n: int = 300, dim: int = 32, seed: int = 0, bias: bool = False
-) -> HeadInputs:
-    """Queries that concentrate on a few "hot" keys plus noise, as real attention does (with
-    `bias`, slots compacted before: an additive bias on every key)."""
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(total, dim, generator=gen)
-    hot = keys[torch.randint(0, 8, (n,), generator=gen)]
-    queries = 0.7 * torch.randn(n, dim, generator=gen) + 1.5 * hot
-    h = HeadInputs(keys, torch.randn(total, dim, generator=gen), queries, dim**-0.5)
-    if bias:
-        h.bias = torch.randn(total, generator=gen)
-    # The prefill-time baselines read the queries as one head's, after every key.
-    h.head_queries = queries[None]
-    h.query_positions = torch.arange(total, total + n)
-    h.key_positions = torch.arange(total)
-    centred = queries - queries.mean(0)
-    h.future = (queries.mean(0)[None], (centred.T @ centred / n)[None])
-    return h
-
-
-def test_highest_attention_scores_aggregate_the_softmax_over_queries():
-    """Each aggregate, computed without the [n, T] softmax where it can be, is the softmax's
-    mean / RMS / max over the queries; am-highest keeps the top keys by HIGHEST_AGGREGATE."""
-    h = _head(bias=True)
-    s = h.queries @ h.keys.T * h.scale + h.bias
-    p = torch.softmax(s, dim=1)  # [n, T]
-    expected = {"mean": p.mean(0), "rms": p.square().mean(0).sqrt(), "max": p.max(0).values}
-    for aggregate, want in expected.items():
-        got = highest_attention_scores(_head(bias=True), aggregate)
-        # Each aggregate reduces over the 300 queries; the softmax over the 200 keys.
-        assert_reordered_close(got, want, terms=300 + 200)
-    top = expected[HIGHEST_AGGREGATE].topk(20).indices.sort().values
-    assert torch.equal(select_keys(_head(bias=True), 20, "am-highest"), top)
-    assert not torch.equal(
-        expected["mean"].topk(20).indices.sort().values,
-        expected["rms"].topk(20).indices.sort().values,
-    )  # the choice matters
-
-
-def test_am_highest_ranks_by_the_context_queries_causal_attention_when_told():
-    """With `context_keys`, am-highest keeps the t keys the context's own queries attended to
-    most, each query over the keys at or before its position (H2O's accumulated attention,
-    without its recent window); else the reference queries' mean, a different set here."""
-    h = _head(bias=True)
-    gen = torch.Generator().manual_seed(5)
-    n, total = 150, h.keys.shape[0]
-    hot = h.keys[torch.randint(0, total, (2, n), generator=gen)]
-    context = 0.7 * torch.randn(2, n, h.keys.shape[1], generator=gen) + 1.5 * hot  # [G, n, D]
-    positions = torch.randint(0, total, (n,), generator=gen).sort().values
-    h.head_queries, h.query_positions = context, positions
-    s = context @ h.keys.T * h.scale + h.bias  # [G, n, T]
-    s = s.masked_fill(torch.arange(total)[None, :] > positions[:, None], -math.inf)
-    want = torch.softmax(s, dim=-1).sum(dim=(0, 1)).topk(20).indices.sort().values
-    h.context_keys = True
-    assert torch.equal(select_keys(h, 20, "am-highest"), want)
-    assert torch.equal(select_keys(h, 20, "am-highest-fast"), want)
-    h.context_keys = False
-    assert not torch.equal(select_keys(h, 20, "am-highest"), want)
-    bare = _head()
-    bare.head_queries, bare.context_keys = None, True
-    with pytest.raises(ValueError, match="context's own queries"):
-        select_keys(bare, 20, "am-highest")
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_summary_is_the_targets_without_their_exp_score_matrix(bias):
-    """`summary` (row maxima, mass, outputs) over queries in chunks, across several chunks
-    and a short last one, equals the definitions and what `targets` gives with E; a head
-    summarized alone never makes E (which only the key selections that read it need)."""
-    h = _head(total=300, n=2 * 256 + 37, bias=bias)
-    rowmax, m, y = summary(h)
-    assert h._targets is None
-    s = h.queries @ h.keys.T * h.scale + (h.bias if bias else 0)  # [n, T]
-    torch.testing.assert_close(rowmax, s.max(dim=1, keepdim=True).values)
-    # Every mass and output sums over the 300 keys (after a 32-long dot product), in chunks
-    # here and whole below: equal up to the order of those sums, on any CPU's kernels.
-    terms = 300 + 32
-    assert_reordered_close(m, torch.exp(s - rowmax).sum(dim=1), terms)
-    values = float(h.values.abs().max())  # an output is a convex combination of the values
-    assert_reordered_close(y, torch.softmax(s, dim=1) @ h.values, terms, scale=values)
-    other = _head(total=300, n=2 * 256 + 37, bias=bias)
-    e, m_full, y_full = targets(other)
-    assert summary(other)[1] is m_full  # made with E: taken from there
-    assert_reordered_close(m_full, m, terms)
-    assert_reordered_close(y_full, y, terms, scale=values)
-    assert_reordered_close(e.sum(dim=1), m, terms)
-
-
-def test_keeping_every_key_reproduces_output_and_mass():
-    h = _head()
-    r = fit(h, torch.arange(200))
-    assert relative_output_error(h, r) <= 1e-4
-    assert mass_error(h, r) <= 1e-4
-    # beta = log 1; keys that get almost no attention determine their weight only loosely.
-    assert r.bias.abs().max() <= 1e-3
-
-
-@pytest.mark.parametrize("method", ["am-highest", "am-omp-fast"])
-def test_output_error_falls_as_the_budget_grows(method):
-    h = _head()
-    errors = [relative_output_error(h, compact_head(h, t, method)) for t in (10, 25, 50, 100)]
-    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0]
-
-
-def test_beta_is_what_matches_the_mass():
-    h = _head()
-    r = fit(h, compact_head(h, 20, "am-highest").index)
-    without = keep(h, r.index)  # the same keys, no bias, original values
-    assert mass_error(h, r) < 0.5 * mass_error(h, without)
-    assert relative_output_error(h, r) < relative_output_error(h, without)
-
-
-@pytest.mark.parametrize("warm", [False, True])
-def test_gram_nnls_matches_scipy(warm):
-    """OMP's refits solve NNLS from the Gram matrix, warm-started: same optimum as SciPy's."""
-    from scipy.optimize import nnls
-
-    gen = torch.Generator().manual_seed(1)
-    for cols in (3, 30, 90):
-        # Exp-score-like columns: positive and strongly correlated, so some weights hit 0.
-        a = torch.rand(200, cols, generator=gen, dtype=torch.float64) ** 2
-        a = a @ (
-            torch.eye(cols, dtype=torch.float64)
-            + 0.3 * torch.rand(cols, cols, generator=gen, dtype=torch.float64)
-        )
-        m = a @ torch.randn(cols, generator=gen, dtype=torch.float64)  # some w < 0
-        ref, _ = nnls(a.numpy(), m.numpy(), maxiter=100 * cols)
-        start = None
-        if warm:  # a stale positive set, as the previous refit leaves it
-            start = torch.from_numpy(ref).clone()
-            start[: cols // 2] = 0
-            start[cols // 2 :] += 0.1
-        w = gram_nnls(a.T @ a, a.T @ m, start)
-        assert (w >= 0).all()
-        best = float(torch.linalg.norm(a @ torch.from_numpy(ref) - m))
-        assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
-        assert (ref == 0).sum() > 0  # the constraint was active: not a plain least squares
-
-
-def _nnls_problem(gen: torch.Generator, rows: int, cols: int, spread: float = 0.0):
-    """Exp-score-like columns (positive, strongly correlated) and a target that some weights
-    would have to go negative to fit; `spread`: the columns' scales span 10^spread."""
-    a = torch.rand(rows, cols, generator=gen, dtype=torch.float64) ** 2
-    a = a @ (
-        torch.eye(cols, dtype=torch.float64)
-        + 0.3 * torch.rand(cols, cols, generator=gen, dtype=torch.float64)
-    )
-    a = a * 10 ** (-spread * torch.rand(cols, generator=gen, dtype=torch.float64))
-    m = a @ (torch.randn(cols, generator=gen, dtype=torch.float64) + 0.5)
-    m += 0.1 * torch.rand(rows, generator=gen, dtype=torch.float64)  # off the columns' span
-    return a, m
-
-
-def _scipy_nnls(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    from scipy.optimize import nnls
-
-    ref, _ = nnls(a.numpy(), m.numpy(), maxiter=200 * a.shape[1])
-    return torch.from_numpy(ref)
-
-
-@pytest.mark.parametrize("start", ["empty", "stale", "solved"])
-def test_pivoting_nnls_reaches_scipys_optimum(start):
-    """Block principal pivoting from no passive set, from a stale one, and from a previous
-    refit's answer (the last columns new): SciPy's optimum, and it says it converged."""
-    gen = torch.Generator().manual_seed(3)
-    for cols in (3, 30, 120):
-        a, m = _nnls_problem(gen, 300, cols)
-        ref = _scipy_nnls(a, m)
-        begin, solved = None, False
-        if start == "stale":
-            begin = ref.clone()
-            begin[: cols // 2] = 0
-            begin[cols // 2 :] += 0.1
-        elif start == "solved":
-            old = _scipy_nnls(a[:, : cols - cols // 4], m)
-            begin, solved = torch.cat([old, torch.zeros(cols // 4, dtype=torch.float64)]), True
-        w, converged = pivoting_nnls(a.T @ a, a.T @ m, begin, solved)
-        assert converged and (w >= 0).all()
-        best = float(torch.linalg.norm(a @ ref - m))
-        assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
-        # past 3 columns the constraint is active: not a plain least squares
-        assert cols == 3 or (ref == 0).sum() > 0
-
-
-def test_beta_weights_equal_scipys_on_columns_of_very_different_scales(monkeypatch):
-    """The final fit's NNLS scales the columns first: with squared norms 1e12 apart (as a
-    head's exp-score columns are at 8K keys) its optimum is still SciPy's, where the unscaled
-    Gram NNLS falls short; and where the active set does not converge, the answer is SciPy's."""
-    gen = torch.Generator().manual_seed(4)
-    a, m = _nnls_problem(gen, 400, 80, spread=6.0)
-    ref = _scipy_nnls(a, m)
-    best = float(torch.linalg.norm(a @ ref - m))
-    w = nonnegative_weights(a.float(), m.float()).double()
-    # fp32 in and out (as fit passes them): as close as rounding the weights allows
-    a32, m32 = a.float().double(), m.float().double()
-    best32 = float(torch.linalg.norm(a32 @ _scipy_nnls(a32, m32).float().double() - m32))
-    assert float(torch.linalg.norm(a32 @ w - m32)) <= best32 * (1 + 1e-6)
-    unscaled = gram_nnls(a.T @ a, a.T @ m)
-    assert float(torch.linalg.norm(a @ unscaled - m)) > best * (1 + 1e-6)
-
-    import engine.nnls
-
-    monkeypatch.setattr(engine.nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
-    fallback = nonnegative_weights(a.float(), m.float()).double()
-    reduced = _reduced(a32, m32, a32.T @ a32, a32.T @ m32)  # what SciPy is handed then
-    assert torch.equal(fallback.float(), _scipy_nnls(*reduced).float())
-
-
-def test_gram_nnls_grows_from_a_previous_refit():
-    """A refit after new columns starts from the last answer as it is (`solved`): the same
-    optimum as SciPy's on all the columns."""
-    from scipy.optimize import nnls
-
-    gen = torch.Generator().manual_seed(2)
-    a = torch.rand(300, 60, generator=gen, dtype=torch.float64) ** 2
-    a = a @ (torch.eye(60, dtype=torch.float64) + 0.3 * torch.rand(60, 60, generator=gen).double())
-    m = a @ (torch.randn(60, generator=gen, dtype=torch.float64) + 0.5)  # some w < 0
-    old, _ = nnls(a[:, :52].numpy(), m.numpy(), maxiter=6000)
-    start = torch.cat([torch.from_numpy(old), torch.zeros(8, dtype=torch.float64)])
-    w = gram_nnls(a.T @ a, a.T @ m, start, solved=True)
-    ref, _ = nnls(a.numpy(), m.numpy(), maxiter=6000)
-    assert (w >= 0).all() and (ref == 0).sum() > 0
-    best = float(torch.linalg.norm(a @ torch.from_numpy(ref) - m))
-    assert float(torch.linalg.norm(a @ w - m)) <= best * (1 + 1e-9)
-    assert float(torch.linalg.norm(a @ start - m)) > best * 1.01  # the new columns mattered
-
-
-def test_omp_beats_highest_attention_on_mass():
-    h = _head(seed=3)
-    omp_err = mass_error(h, compact_head(h, 20, "am-omp"))
-    top_err = mass_error(h, compact_head(h, 20, "am-highest"))
-    assert omp_err < top_err
-
-
-def test_recompaction_accounts_for_existing_bias():
-    """A block that already carries biases (a compacted segment) compacts again exactly."""
-    h = _head()
-    h.bias = torch.randn(200, generator=torch.Generator().manual_seed(9))
-    r = fit(h, torch.arange(200))
-    assert relative_output_error(h, r) <= 1e-4 and mass_error(h, r) <= 1e-4
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_every_method_returns_t_distinct_slots(method):
-    h = _head()
-    r = compact_head(h, 40, method)
-    assert len(r.index) == 40 == len(set(r.index.tolist()))
-    assert r.keys.shape == (40, 32) and r.values.shape == (40, 32) and r.bias.shape == (40,)
-
-
-def test_attention_matching_beats_token_selection():
-    h = _head(seed=5)
-    am = relative_output_error(h, compact_head(h, 20, "am-highest"))
-    for baseline in ("h2o", "streaming", "random", "snapkv"):
-        assert am < 0.5 * relative_output_error(h, compact_head(h, 20, baseline)), baseline
-
-
-def test_bad_sizes_and_methods_are_refused():
-    h = _head()
-    with pytest.raises(ValueError):
-        compact_head(h, 0, "am-highest")
-    with pytest.raises(ValueError):
-        compact_head(h, 201, "am-highest")
-    with pytest.raises(ValueError, match="unknown"):
-        compact_head(h, 10, "magic")
-
-
-# ---- a whole model's cache ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     import tiny_models
@@ -392,8 +112,10 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     tokens after its segment line up with their slots and all see the segment: again exact
     with a wide window, changed by a narrow one; where the segment is not known, the full
     pass. The -fast variants default to it on a CPU."""
-    from engine import kv_compaction
-    from engine.kv_compaction import compact_row, default_query_source, reference_queries
+    from engine import compaction_queries
+    from engine.compaction_options import REPEAT_INSTRUCTION, default_query_source
+    from engine.compaction_queries import reference_queries
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -404,29 +126,29 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
             return list(reference_queries(model, tok, cache, 0, ids, source, segment=segment))
 
     exact = queries("repeat")
-    instruction = len(tok.encode(kv_compaction.REPEAT_INSTRUCTION, add_special_tokens=False))
-    band = kv_compaction.repeat_band(cache, 0, instruction)
+    instruction = len(tok.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+    band = compaction_queries.repeat_band(cache, 0, instruction)
     assert band is not None and (band.offset, band.lead) == (-instruction, instruction)
-    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 200)
+    monkeypatch.setattr(compaction_queries, "REPEAT_WINDOW", 200)
     for a, b in zip(exact, queries("repeat-banded"), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 4)
-    monkeypatch.setattr(kv_compaction, "REPEAT_ROWS", 8)
+    monkeypatch.setattr(compaction_queries, "REPEAT_WINDOW", 4)
+    monkeypatch.setattr(compaction_queries, "REPEAT_ROWS", 8)
     narrow = queries("repeat-banded")
     torch.testing.assert_close(narrow[0], exact[0])  # layer 0's queries come before attention
     assert (narrow[1] - exact[1]).abs().max() > 1e-3
     report = compact_row(model, tok, cache, 0, ids, 20, query_source="repeat", keep_recent=8)
     assert (cache.lengths, cache.logical, report.segment_slots) == ([28], [90], 20)
-    assert kv_compaction.repeat_band(cache, 0, instruction) is None  # segment not known
+    assert compaction_queries.repeat_band(cache, 0, instruction) is None  # segment not known
     exact = queries("repeat")
     for a, b in zip(exact, queries("repeat-banded"), strict=True):
         torch.testing.assert_close(a, b)
-    band = kv_compaction.repeat_band(cache, 0, instruction, segment=20)
+    band = compaction_queries.repeat_band(cache, 0, instruction, segment=20)
     assert band is not None and (band.offset, band.sinks) == (-instruction - 62, 20)
     narrow = queries("repeat-banded", segment=20)
     assert (narrow[1] - exact[1]).abs().max() > 1e-3
-    monkeypatch.setattr(kv_compaction, "REPEAT_WINDOW", 200)
-    monkeypatch.setattr(kv_compaction, "REPEAT_ROWS", 256)
+    monkeypatch.setattr(compaction_queries, "REPEAT_WINDOW", 200)
+    monkeypatch.setattr(compaction_queries, "REPEAT_ROWS", 256)
     for a, b in zip(exact, queries("repeat-banded", segment=20), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -500,7 +222,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
 
 
 def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
-    from engine.attention_matching import HeadInputs, OmpBudget, omp
+    from engine.attention_matching import OmpBudget, omp
 
     gen = torch.Generator().manual_seed(0)
     h = HeadInputs(
@@ -545,7 +267,8 @@ def test_unscored_baselines_measure_their_error_on_a_reread_sample(tiny, method)
     error, so they re-read max_queries / group of the context's tokens
     (`context_key_queries`), after the segment on a row compacted before, instead of a pass
     over the whole history; the error is the one those very queries measure."""
-    from engine.kv_compaction import compact_row, context_key_queries
+    from engine.compaction_queries import context_key_queries
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -573,7 +296,8 @@ def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(t
     """context_key_queries re-reads `count` seeded random tokens of a row never compacted:
     per layer, exactly the queries a causal pass over the whole context has there, the cache
     untouched; on a row compacted before whose segment is not known, the whole pass."""
-    from engine.kv_compaction import compact_row, context_key_queries, reference_queries
+    from engine.compaction_queries import context_key_queries, reference_queries
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -606,7 +330,8 @@ def test_context_key_queries_on_a_compacted_row_reread_the_tokens_after_its_segm
     `count`): per layer, at their logical positions, exactly the queries those tokens get
     when run as a continuation of the segment alone (its beta included), the cache
     untouched."""
-    from engine.kv_compaction import compact_row, context_key_queries
+    from engine.compaction_queries import context_key_queries
+    from engine.kv_compaction import compact_row
     from models.transformer import new_capture
 
     model, tok = tiny
@@ -638,7 +363,8 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
     (`context_key_queries`: all of them where they are fewer than max_queries, else
     max_queries / group positions re-read), over the region and the exact tail; "reference"
     ranks by the repeat queries instead, other keys."""
-    from engine.kv_compaction import compact_row, context_key_queries
+    from engine.compaction_queries import context_key_queries
+    from engine.kv_compaction import compact_row
 
     model, tok = tiny
     cfg = model.config

@@ -205,7 +205,7 @@ def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
     would pay for them), and an idle engine gives back a cache grown for a long prompt."""
     from engine import model_work
     from engine.kv_compaction import compact_row
-    from engine.session_store import Session
+    from engine.session import Session
 
     _, engine, tok = setup
     model = engine.model

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import running_server, tree_snapshot
-from engine.session_store import SESSION_ID, SessionError, SessionStore
+from engine.session import SESSION_ID, SessionError
+from engine.session_store import SessionStore
 
 ODD_TEXT = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",))

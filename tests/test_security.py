@@ -77,7 +77,8 @@ def test_bad_session_ids_are_refused_everywhere(base, home, sid):
 def test_store_refuses_paths_outside_its_root(tmp_path):
     """Defence in depth below the HTTP layer: ids are checked again, and a folder that resolves
     elsewhere (a planted symlink) is never read, written or deleted."""
-    from engine.session_store import SessionError, SessionStore
+    from engine.session import SessionError
+    from engine.session_store import SessionStore
 
     outside = tmp_path / "outside"
     outside.mkdir()

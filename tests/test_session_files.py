@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine import session_files
+from engine.session import Session
 from engine.session_files import MAX_SEGMENTS, CorruptSession, Version, read_cache, recover
-from engine.session_store import Session, SessionStore
+from engine.session_store import SessionStore
 from models.kv_cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 8
