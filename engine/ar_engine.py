@@ -23,7 +23,7 @@ from engine import limits
 from engine.interface import EngineOutput, TokenLogprob
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, eos_token_ids, make_generator, sample
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledEngine, Scheduler
 from engine.text_output import TextAssembler
 from models import kernels
 from models.kv_cache import KVCache
@@ -75,7 +75,7 @@ def _session_slots(seq: ARSequence) -> int:
     return 0 if cache is None else cache.lengths[0]
 
 
-class AREngine:
+class AREngine(ScheduledEngine[ARSequence]):
     def __init__(
         self,
         model: Transformer,
@@ -113,7 +113,9 @@ class AREngine:
         append: bool = True,
     ) -> ARSequence:
         history = 0 if session is None else session.logical_length
-        problem = limits.ar_problem(len(prompt), params.max_tokens, history, self.max_model_len)
+        problem = limits.ar_problem(
+            len(prompt), params.max_tokens, history, self.max_model_len, clamp=True
+        )
         if problem is not None:
             raise ValueError(problem.message)
         budget = min(params.max_tokens, self.max_model_len - history - len(prompt))
@@ -131,26 +133,10 @@ class AREngine:
             append=append,
         )
 
-    def add(self, seq: ARSequence) -> None:
-        self.scheduler.add(seq)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
         self.scheduler.reset()
         self.cache = None
-
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting()
-
-    def num_running(self) -> int:
-        return self.scheduler.num_running()
-
-    @property
-    def max_batch(self) -> int:
-        return self.scheduler.max_batch
 
     @property
     def running(self) -> list[ARSequence]:

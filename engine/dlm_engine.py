@@ -33,7 +33,7 @@ from engine.dlm_sequence import BlockPass, DLMParams, DLMSequence
 from engine.interface import EngineOutput, FinishReason
 from engine.model_runner import ModelRunner
 from engine.sampling import _top_p_filter, eos_token_ids, make_generator, tempered_softmax
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledEngine, Scheduler
 from engine.text_output import TextAssembler
 from engine.unmasking import Schedule, confidence, origin, pick, quota
 from models.kv_cache import KVCache
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from engine.session import Session
 
 
-class DLMEngine:
+class DLMEngine(ScheduledEngine[DLMSequence]):
     def __init__(
         self,
         model: Transformer,
@@ -126,22 +126,6 @@ class DLMEngine:
             state=mode.new_state(),
             aborted=aborted,
         )
-
-    def add(self, seq: DLMSequence) -> None:
-        self.scheduler.add(seq)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting()
-
-    def num_running(self) -> int:
-        return self.scheduler.num_running()
-
-    @property
-    def max_batch(self) -> int:
-        return self.scheduler.max_batch
 
     @property
     def running(self) -> dict[str, list[DLMSequence]]:

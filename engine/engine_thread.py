@@ -28,10 +28,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from engine.core_share import CoreShare
-from engine.interface import Engine
+from engine.interface import Engine, EngineOutput
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class EngineThread:
     def __init__(
         self,
         name: str,
-        engine: Engine[Any],  # either kind: requests arrive built (`stream`'s build)
+        engine: Engine[Any, Any],  # either kind: requests arrive built (`stream`'s build)
         max_queue: int = 256,
         on_step: Callable[[float], None] | None = None,
         cores: CoreShare | None = None,
@@ -110,7 +110,9 @@ class EngineThread:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    async def stream(self, build: Callable[[str, Callable[[], bool]], Any]) -> AsyncIterator[Any]:
+    async def stream(
+        self, build: Callable[[str, Callable[[], bool]], Any]
+    ) -> AsyncIterator[EngineOutput]:
         """`build(request_id, aborted)` makes the engine sequence (on the engine thread)."""
         req = _Request(
             f"{self.name}-{next(self._ids)}", build, asyncio.get_running_loop(), asyncio.Queue()
@@ -125,7 +127,7 @@ class EngineThread:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield cast(EngineOutput, item)  # what the engine's step returned
         finally:
             req.aborted.set()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from engine.dlm_sequence import DLMParams
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "abort"]
 # An engine's request parameters: SamplingParams (autoregressive), DLMParams (diffusion).
 P = TypeVar("P", bound="SamplingParams | DLMParams", contravariant=True)
+# An engine's sequence: ARSequence, DLMSequence (what `new_sequence` makes and `add` takes).
+S = TypeVar("S")
 
 
 @dataclass(slots=True)
@@ -46,9 +48,9 @@ class EngineOutput:
     steps: int | None = None
 
 
-class Engine(Protocol[P]):
+class Engine(Protocol[P, S]):
     """Both engines, as the server and the engine thread see them: AREngine is an
-    Engine[SamplingParams], DLMEngine an Engine[DLMParams]."""
+    Engine[SamplingParams, ARSequence], DLMEngine an Engine[DLMParams, DLMSequence]."""
 
     max_model_len: int
 
@@ -60,14 +62,14 @@ class Engine(Protocol[P]):
         aborted: Callable[[], bool] = ...,
         session: Session | None = None,
         append: bool = True,
-    ) -> Any:
+    ) -> S:
         """A sequence for `add`; ValueError when the engine cannot take the request (too long
         for the context, an option it does not support). `aborted()` is polled every step: a
         request whose client went away leaves with finish_reason "abort". With a session,
         the sequence continues from its cache (and, with `append`, writes back into it)."""
         ...
 
-    def add(self, seq: Any) -> None:
+    def add(self, seq: S) -> None:
         """Queue a sequence; it starts decoding at a coming step."""
         ...
 

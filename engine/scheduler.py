@@ -129,3 +129,26 @@ class Scheduler(Generic[S]):
     def _finished(self, seq: S) -> None:
         if self.on_finish is not None:
             self.on_finish(seq)
+
+
+class ScheduledEngine(Generic[S]):
+    """What both engines answer from their scheduler (the rest of `engine.interface.Engine` is
+    each engine's own)."""
+
+    scheduler: Scheduler[S]
+
+    def add(self, seq: S) -> None:
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting()
+
+    def num_running(self) -> int:
+        return self.scheduler.num_running()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.interface import TokenLogprob
 from engine.served_model import ServedModel
-from server import streaming
 from server.errors import APIError
 from server.metrics import Metrics
 from server.planning import (
@@ -25,7 +24,7 @@ from server.planning import (
     usage,
 )
 from server.schemas import ChatCompletionRequest
-from server.streaming import StreamHead
+from server.streaming import StreamHead, StreamKind
 
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
@@ -122,25 +121,6 @@ async def complete(
     }
 
 
-def stream(
-    served: ServedModel,
-    req: ChatCompletionRequest,
-    choices: list[Choice],
-    metrics: Metrics | None = None,
-    before_done: Callable[[], Awaitable[APIError | None]] | None = None,
-) -> AsyncIterator[str]:
-    head = StreamHead.new(served, req, "chat.completion.chunk", "chatcmpl")
-    return streaming.stream(
-        served,
-        req,
-        choices,
-        metrics,
-        head,
-        lambda head, tally: _chunks(served, req, choices, head, tally),
-        before_done,
-    )
-
-
 async def _chunks(
     served: ServedModel,
     req: ChatCompletionRequest,
@@ -166,3 +146,6 @@ async def _chunks(
         if out.text or out.finish_reason or lps:
             delta = {"content": out.text} if out.text else {}
             yield chunk(choices[i].index, delta, out.finish_reason, lps)
+
+
+STREAM = StreamKind("chat.completion.chunk", "chatcmpl", _chunks)  # for server.streaming.stream

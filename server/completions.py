@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import model_work
 from engine.interface import TokenLogprob
 from engine.served_model import ServedModel
-from server import streaming
-from server.errors import APIError
 from server.metrics import Metrics
 from server.planning import (
     Choice,
@@ -26,7 +24,7 @@ from server.planning import (
     usage,
 )
 from server.schemas import CompletionRequest
-from server.streaming import StreamHead
+from server.streaming import StreamHead, StreamKind
 
 
 # ---- logprobs in the legacy completions shape -------------------------------------------------
@@ -128,25 +126,6 @@ async def _start_logprobs(
     return lp
 
 
-def stream(
-    served: ServedModel,
-    req: CompletionRequest,
-    choices: list[Choice],
-    metrics: Metrics | None = None,
-    before_done: Callable[[], Awaitable[APIError | None]] | None = None,
-) -> AsyncIterator[str]:
-    head = StreamHead.new(served, req, "text_completion", "cmpl")
-    return streaming.stream(
-        served,
-        req,
-        choices,
-        metrics,
-        head,
-        lambda head, tally: _chunks(served, req, choices, head, tally),
-        before_done,
-    )
-
-
 async def _chunks(
     served: ServedModel,
     req: CompletionRequest,
@@ -178,3 +157,6 @@ async def _chunks(
             sent[i] = len(lp.tokens) if lp else 0
             if out.text or out.finish_reason or body:
                 yield chunk(choices[i].index, out.text, out.finish_reason, body)
+
+
+STREAM = StreamKind("text_completion", "cmpl", _chunks)  # for server.streaming.stream

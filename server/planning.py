@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import limits
+from engine.ar_engine import ARSequence
 from engine.dlm_engine import DLMEngine
-from engine.dlm_sequence import DLMParams
+from engine.dlm_sequence import DLMParams, DLMSequence
 from engine.engine_thread import QueueFull
-from engine.interface import Engine, EngineOutput
+from engine.interface import EngineOutput
 from engine.sampling import SamplingParams
 from engine.served_model import ServedModel
 from engine.session import Session
@@ -227,14 +228,18 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Session) 
 
 
 # ---- running ---------------------------------------------------------------------------------
-async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
+async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[EngineOutput]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
-    def build(request_id: str, aborted: Callable[[], bool]) -> Any:
-        # Either engine: `_params` gave the choice parameters of the model's own kind.
-        engine: Engine[Any] = served.engine
+    def build(request_id: str, aborted: Callable[[], bool]) -> ARSequence | DLMSequence:
+        # `_params` gave the choice parameters of the model's own kind.
+        engine, params = served.engine, choice.params
+        if isinstance(engine, DLMEngine):
+            assert isinstance(params, DLMParams)
+            return engine.new_sequence(request_id, choice.prompt_ids, params, aborted)
+        assert isinstance(params, SamplingParams)
         return engine.new_sequence(
-            request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
+            request_id, choice.prompt_ids, params, aborted, choice.session, choice.append
         )
 
     try:
@@ -246,7 +251,9 @@ async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Any]:
         raise APIError(400, str(e)) from None
 
 
-async def run_choices(served: ServedModel, choices: list[Choice]) -> AsyncIterator[tuple[int, Any]]:
+async def run_choices(
+    served: ServedModel, choices: list[Choice]
+) -> AsyncIterator[tuple[int, EngineOutput]]:
     """All choices at once (the engine batches them); (choice index, output) as they come."""
     if len(choices) == 1:
         async for out in run_choice(served, choices[0]):
@@ -274,6 +281,7 @@ async def run_choices(served: ServedModel, choices: list[Choice]) -> AsyncIterat
             elif isinstance(item, Exception):
                 raise item
             else:
+                assert isinstance(item, EngineOutput)
                 yield i, item
     finally:
         for t in tasks:  # the client went away or a choice failed: stop the others too

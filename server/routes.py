@@ -78,7 +78,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Sta
     choices = planning.plan_completion(served, req)
     if req.stream:
         return StreamingResponse(
-            completions.stream(served, req, choices, state.metrics),
+            streaming.stream(served, req, choices, state.metrics, completions.STREAM),
             media_type="text/event-stream",
         )
     # Returned as built (the response_model documents the shape): usage.steps is present
@@ -97,7 +97,8 @@ async def create_chat_completion(
     choices = chat.plan_chat(served, req)
     if req.stream:
         return StreamingResponse(
-            chat.stream(served, req, choices, state.metrics), media_type="text/event-stream"
+            streaming.stream(served, req, choices, state.metrics, chat.STREAM),
+            media_type="text/event-stream",
         )
     body = await streaming.until_disconnected(
         request, chat.complete(served, req, choices, state.metrics)

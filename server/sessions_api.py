@@ -140,7 +140,8 @@ async def _continuation(
                 return e
             return None
 
-        async for chunk in completions.stream(served, req, choices, state.metrics, commit):
+        kind = completions.STREAM
+        async for chunk in streaming.stream(served, req, choices, state.metrics, kind, commit):
             yield chunk
 
 

@@ -71,8 +71,17 @@ class StreamHead:
         return sse(body)
 
 
-# A stream's body: (its head, the tally to count into) -> the chunks of its choices.
-Chunks = Callable[[StreamHead, UsageCount], AsyncIterator[str]]
+# A stream's choices as chunks: (model, request, choices, its head, the tally to count into).
+Chunks = Callable[[ServedModel, Any, list[Choice], StreamHead, UsageCount], AsyncIterator[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKind:
+    """What differs between the completions and the chat stream."""
+
+    object: str  # every chunk's "object"
+    id_prefix: str  # "cmpl", "chatcmpl"
+    chunks: Chunks
 
 
 def stream(
@@ -80,13 +89,14 @@ def stream(
     req: Any,
     choices: list[Choice],
     metrics: Metrics | None,
-    head: StreamHead,
-    chunks: Chunks,
+    kind: StreamKind,
     before_done: Callable[[], Awaitable[APIError | None]] | None = None,
 ) -> AsyncIterator[str]:
-    """One stream, completions and chat alike: `chunks`, then its end (`_framed`)."""
+    """One stream, completions and chat alike: the kind's chunks, then its end (`_framed`)."""
+    head = StreamHead.new(served, req, kind.object, kind.id_prefix)
     tally = UsageCount()
-    return _framed(served, req, choices, metrics, head, tally, chunks(head, tally), before_done)
+    chunks = kind.chunks(served, req, choices, head, tally)
+    return _framed(served, req, choices, metrics, head, tally, chunks, before_done)
 
 
 async def _framed(
