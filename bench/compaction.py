@@ -41,6 +41,9 @@ context of each of `--timing-lengths` tokens (the start of Austen's first novel,
 stage (queries, keys, beta, values), every variant on the same prefilled cache, one after
 another, with nothing else running: the speed curve. With `--timing-runs N` each figure is the
 median of N runs (the variants take turns within a run).
+
+(~520 lines: one benchmark's grid of methods x ratios x flags and its three modes; the facts probe
+it shares with bench/online_compaction.py and bench/head_budgets.py is bench/facts.py.)
 """
 
 from __future__ import annotations

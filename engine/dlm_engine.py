@@ -119,7 +119,12 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
             id=request_id,
             prompt=list(prompt),
             params=params,
-            answer=torch.full((gen_len,), self.mask_id, dtype=torch.long, device=device),
+            tokens=torch.cat(
+                [
+                    torch.tensor(prompt, dtype=torch.long, device=device),
+                    torch.full((gen_len,), self.mask_id, dtype=torch.long, device=device),
+                ]
+            ),
             text=TextAssembler(self.tokenizer, list(params.stop)),
             stop_ids=params.stop_ids(self.eos_token_ids),
             generator=make_generator(params.seed, device) if _draws(params) else None,

@@ -40,7 +40,9 @@ class DLMSequence:
     id: str
     prompt: list[int]
     params: DLMParams
-    answer: Tensor  # [gen_len] int64, mask id where not yet final
+    # [P + gen_len] int64 on the model's device: the prompt, then the answer (the mask id where
+    # not yet final). One tensor for the whole step: passes read views of it, no per-step copy.
+    tokens: Tensor
     text: TextAssembler
     stop_ids: frozenset[int]
     generator: torch.Generator | None
@@ -65,8 +67,13 @@ class DLMSequence:
         return self.params.block_size
 
     @property
+    def answer(self) -> Tensor:
+        """[gen_len] the answer part of `tokens` (a view: writes go into `tokens`)."""
+        return self.tokens[len(self.prompt) :]
+
+    @property
     def gen_len(self) -> int:
-        return self.answer.shape[0]
+        return self.tokens.shape[0] - len(self.prompt)
 
     @property
     def block_start(self) -> int:

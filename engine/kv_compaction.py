@@ -40,6 +40,9 @@ compaction holds the engine for one such piece at a time (`CompactionReport.engi
 Layers are fitted as their queries arrive, so only one layer's queries are held at once. OMP's key
 selection has a wall-time budget (`OmpBudget`) past which it continues as its fast variant,
 then takes the remaining keys by attention; the report says so.
+
+(One algorithm end to end, ~490 lines: `compact_row`, its per-layer fit and the on-policy pass;
+what a request may ask is `engine/compaction_options.py`, the queries `compaction_queries.py`.)
 """
 
 from __future__ import annotations

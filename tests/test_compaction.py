@@ -1,5 +1,6 @@
 """Compacting a model's cache row end to end (engine/kv_compaction.py): queries, fits, splice,
-budgets, storage of the segment."""
+budgets, storage of the segment. One concern, on one tiny model fixture; the single-head
+algebra is tests/test_attention_matching.py."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class Cdlm(DecodingMode):
         valid = torch.zeros(len(seqs), width, dtype=torch.bool, device=device)
         for i, s in enumerate(seqs):
             cache.reset(s.row)
-            ids[i, : len(s.prompt)] = torch.tensor(s.prompt, device=device)
+            ids[i, : len(s.prompt)] = s.tokens[: len(s.prompt)]
             valid[i, : len(s.prompt)] = True
         ragged = any(len(s.prompt) != width for s in seqs)
         first = seqs[0].row  # admitted together: consecutive rows
@@ -63,12 +63,10 @@ class Cdlm(DecodingMode):
                 s.first_logits = runner.logits(hidden[i, len(s.prompt) - 1]).float()
 
     def plan(self, seq: DLMSequence) -> BlockPass:
-        size, start = seq.block_size, seq.block_start
-        block = seq.answer[start : start + size]
-        if seq.state.commit_previous_block:
-            done = seq.answer[start - size : start]
-            return BlockPass(seq, torch.cat([done, block]), size, size)
-        return BlockPass(seq, block, 0, 0)
+        size, start = seq.block_size, len(seq.prompt) + seq.block_start
+        if seq.state.commit_previous_block:  # [finished block, current block]: adjacent
+            return BlockPass(seq, seq.tokens[start - size : start + size], size, size)
+        return BlockPass(seq, seq.tokens[start : start + size], 0, 0)
 
     def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
         cache = ctx.cache(self.name, 0)

@@ -36,7 +36,7 @@ class FastDllm(DecodingMode):
 
     def plan(self, seq: DLMSequence) -> BlockPass:
         p = len(seq.prompt)
-        full = torch.cat([torch.tensor(seq.prompt, device=seq.answer.device), seq.answer])
+        full = seq.tokens
         if not seq.state.refresh:
             return BlockPass(seq, full[p + seq.block_start :], 0, 0)
         # A refresh: the whole sequence, committing everything before the current block.

@@ -3,7 +3,6 @@ at every step, no cache, one token per step (steps = answer length)."""
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from engine.dlm_modes.base import (
@@ -25,8 +24,7 @@ class Vanilla(DecodingMode):
 
     def plan(self, seq: DLMSequence) -> BlockPass:
         offset = len(seq.prompt) + seq.block_start
-        full = torch.cat([torch.tensor(seq.prompt, device=seq.answer.device), seq.answer])
-        return BlockPass(seq, full, 0, offset)
+        return BlockPass(seq, seq.tokens, 0, offset)
 
     def forward(self, ctx: DecodeContext, passes: list[BlockPass]) -> Tensor:
         stack = fused_stack(passes, ctx)
