@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.model_runner import ModelRunner
 from models.kv_cache import KVCache
 
 COLORS = [
@@ -146,14 +147,17 @@ def answer_loss(model, hidden: Tensor, prompt: int, answer: list[int]) -> float:
 
 @torch.no_grad()
 def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt`, continuing a copy of `cache` (decode steps through the
+    engines' runner: the fused CPU step where it applies)."""
     work = cache.extract_row(0)
     work.ensure_capacity(work.lengths[0] + len(prompt) + n + 1)
-    hidden = model(torch.tensor([prompt], device=model.device), cache=work)
+    runner = ModelRunner(model)
+    hidden = model(torch.tensor([prompt], device=model.device), cache=work)[:, -1]  # [1, hidden]
     out = []
     for _ in range(n):
-        token = int(model.logits(hidden[:, -1]).argmax(-1))
+        token = int(model.logits(hidden).argmax(-1))
         out.append(token)
-        hidden = model(torch.tensor([[token]], device=model.device), cache=work)
+        hidden = runner.extend([(0, [token])], work)
     return out
 
 

@@ -4,6 +4,8 @@ Pre-norm blocks: x + Attn(RMSNorm(x)), then h + SwiGLU(RMSNorm(h)). q/k/v and ga
 fused into one projection each (fewer kernel launches per decode step; the loader fuses the
 checkpoint's separate matrices). What differs per family lives in `ModelConfig` and in
 `models/weights.py`; what differs per call (attention pattern, positions, cache) is an argument.
+This is the PyTorch model; whether an engine step runs here or through the fused C++ step
+(`models/kernels/`) is the engines' runner's choice (`engine/model_runner.py`).
 """
 
 from __future__ import annotations
@@ -111,17 +113,6 @@ class Transformer(nn.Module):
             cache.ensure_capacity(max(cache.lengths) + q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
-        if (
-            cache is not None
-            and q_len == 1
-            and valid is None
-            and commit is not False
-            and capture is None
-        ):
-            stack = kernels.decode_stack(self)
-            if stack is not None:
-                # One new token per row, committed: the fused C++ step runs every layer.
-                return self._fused_decode(stack, input_ids, cos, sin, cache, commit)
         mask = self._mask(pattern, positions, cache, valid, explicit_positions is None)
         x = self.embed_tokens(input_ids)  # [B, Q, hidden]
         residual = None
@@ -213,19 +204,6 @@ class Transformer(nn.Module):
         if cache is not None and commit is not False:
             cache.commit(self._commit_counts(commit, q_len, batch, valid))
         return x
-
-    def _fused_decode(self, stack, input_ids, cos, sin, cache, commit) -> Tensor:
-        batch, d = input_ids.shape[0], self.config.head_dim
-        x = self.embed_tokens(input_ids.view(batch))  # [B, hidden]
-        cos2 = cos.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
-        sin2 = sin.expand(batch, 1, 1, d).reshape(batch, d).contiguous()
-        rows = list(range(batch))
-        attend = [n + 1 for n in cache.lengths]
-        hidden = stack.forward(
-            x, cache.keys, cache.values, cache.biases, rows, cache.lengths, attend, cos2, sin2
-        )
-        cache.commit(self._commit_counts(commit, 1, batch, None))
-        return hidden.view(batch, 1, -1)
 
     def _rope_for(
         self,

@@ -14,6 +14,7 @@ from engine.attention_matching import (
     HeadInputs,
     select_keys,
 )
+from engine.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,10 @@ def _prefilled(model, ids):
 
 
 def _next_logits(model, cache, token):
+    """The next token's logits [V] as the engines compute them (`ModelRunner.extend`: the fused
+    CPU step where it applies, so `fused` tests below reach it)."""
     with torch.no_grad():
-        return model.logits(model(torch.tensor([[token]]), cache=cache))[0, -1]
+        return model.logits(ModelRunner(model).extend([(0, [token])], cache))[0]
 
 
 @pytest.mark.parametrize(

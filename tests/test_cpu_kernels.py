@@ -20,10 +20,17 @@ def built():
     assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
 
 
+KERNELS_ON = [False]  # inside both(): whether this call of fn runs with the kernels on
+
+
 def both(fn):
     """fn() with the kernels on, then with the PyTorch references."""
     with kernels.cpu_kernels(True):
-        fast = fn()
+        KERNELS_ON[0] = True
+        try:
+            fast = fn()
+        finally:
+            KERNELS_ON[0] = False
     with kernels.cpu_kernels(False):
         ref = fn()
     return fast, ref
@@ -171,17 +178,26 @@ def model(tmp_path_factory):
     return load_model(folder, dtype=BF16)[0]
 
 
+def _decode(runner: ModelRunner, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """One decode step of every row through the runner (the engines' path): tokens [B] ->
+    logits [B, V]; the fused step where the kernels are on, PyTorch where they are off (said
+    here: the op-level kernels alone also make the two paths' numbers differ)."""
+    fused = runner.stack() is not None
+    assert fused == KERNELS_ON[0], "the runner chose the wrong path"
+    chunks = [(row, [int(t)]) for row, t in enumerate(tokens)]
+    return runner.model.logits(runner.extend(chunks, cache))
+
+
 def test_bf16_decoding_with_and_without_kernels_agrees(model):
     """Whole-model check: prefill + 12 decode steps in bf16, fused vs PyTorch path."""
     ids = torch.randint(0, tiny_models.VOCAB, (2, 20), generator=torch.Generator().manual_seed(4))
+    runner = ModelRunner(model)
 
     def run():
         cache = model.new_cache(2, 64)
         with torch.inference_mode():
             outs = [model.logits(model(ids[:, :8], cache=cache))[:, -1]]
-            outs += [
-                model.logits(model(ids[:, i : i + 1], cache=cache))[:, -1] for i in range(8, 20)
-            ]
+            outs += [_decode(runner, cache, ids[:, i]) for i in range(8, 20)]
         return torch.stack(outs, 1).float()
 
     fast, ref = both(run)
@@ -194,6 +210,7 @@ def test_fused_decode_honours_compacted_segments(model):
     """A cache whose prefix was replaced by a smaller biased segment: the fused step must add
     beta per key and continue from the logical length, like the reference path."""
     ids = torch.randint(0, tiny_models.VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    runner = ModelRunner(model)
 
     def run():
         cache = model.new_cache(1, 64)
@@ -212,9 +229,7 @@ def test_fused_decode_honours_compacted_segments(model):
                 ],
             )
             assert cache.lengths == [8] and cache.logical == [16]
-            outs = [
-                model.logits(model(ids[:, i : i + 1], cache=cache))[:, -1] for i in range(16, 24)
-            ]
+            outs = [_decode(runner, cache, ids[:, i]) for i in range(16, 24)]
         return torch.stack(outs, 1).float()
 
     fast, ref = both(run)
@@ -227,12 +242,13 @@ def test_decode_of_more_rows_than_one_kernel_pass(model):
     per AMX tile), with the same results as the PyTorch path."""
     rows = kernels.MAX_KERNEL_ROWS + 2
     ids = torch.randint(0, tiny_models.VOCAB, (rows, 9), generator=torch.Generator().manual_seed(6))
+    runner = ModelRunner(model)
 
     def run():
         cache = model.new_cache(rows, 32)
         with torch.inference_mode():
             model(ids[:, :8], cache=cache)
-            return model.logits(model(ids[:, 8:], cache=cache))[:, -1].float()
+            return _decode(runner, cache, ids[:, 8]).float()
 
     fast, ref = both(run)
     assert fast.shape == (rows, tiny_models.VOCAB)
