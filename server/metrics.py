@@ -128,6 +128,19 @@ class Metrics:
             [*model, "decoding"],
             TOKENS_PER_STEP_BUCKETS,
         )
+        # vLLM's diffusion counters (its DiffusionGemma support), so a vLLM diffusion dashboard
+        # works with the prefix changed: steps are forward passes (our prefill included), and
+        # committed tokens the answer positions those steps finalized (past an end-of-text too).
+        self.diffusion_denoising_steps = counter(
+            "diffusion_num_denoising_steps",
+            "Number of denoising steps (forward passes) run for diffusion requests.",
+            model,
+        )
+        self.diffusion_committed_tokens = counter(
+            "diffusion_num_committed_tokens",
+            "Number of tokens committed (finalized) by denoising steps.",
+            model,
+        )
         self.dlm_e2e_latency = histogram(
             "dlm_e2e_request_latency_seconds",
             "End to end latency of diffusion requests in seconds.",
@@ -167,6 +180,8 @@ class Metrics:
         """A finished (or aborted) diffusion sequence (engine.dlm_sequence.DLMSequence): its
         steps, the tokens each step finalized and the steps each block took (vLLM's terms)."""
         self.dlm_steps.labels(model, decoding).observe(seq.steps)
+        self.diffusion_denoising_steps.labels(model).inc(seq.steps)
+        self.diffusion_committed_tokens.labels(model).inc(sum(seq.tokens_per_step))
         per_step = self.dlm_tokens_per_step.labels(model, decoding)
         for n in seq.tokens_per_step:
             per_step.observe(n)

@@ -222,3 +222,17 @@ def test_steps_per_block_histogram_counts_each_block(base):
     assert r.status_code == 200 and r.json()["usage"]["steps"] == 8
     assert _series(base, "cdlm_serve:dlm_steps_per_block_count", *labels) == count + 2
     assert _series(base, "cdlm_serve:dlm_steps_per_block_sum", *labels) == total + 8
+
+
+def test_vllm_diffusion_counters_count_steps_and_committed_tokens(base):
+    """vLLM's names: 16 tokens in blocks of 8 on a fixed schedule of 8 steps, to the end
+    (ignore_eos): 8 denoising steps that commit all 16 answer positions."""
+    label = 'model_name="llada"'
+    steps = _series(base, "cdlm_serve:diffusion_num_denoising_steps_total", label)
+    committed = _series(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
+    body = {"model": "llada", "prompt": "a", "max_tokens": 16, "ignore_eos": True}
+    r = _post(base, {**body, "block_size": 8, "steps": 8, "decoding": "vanilla"})
+    assert r.status_code == 200 and r.json()["usage"]["steps"] == 8
+    assert _series(base, "cdlm_serve:diffusion_num_denoising_steps_total", label) == steps + 8
+    committed_now = _series(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
+    assert committed_now == committed + 16
