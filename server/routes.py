@@ -4,11 +4,13 @@ routes are in `server/sessions_api.py`."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.served_model import ServedModel
 from server import chat, completions, planning, sessions_api, streaming
 from server.errors import error_body
 from server.metrics import CONTENT_TYPE
@@ -21,7 +23,8 @@ from server.schemas import (
     CompletionResponse,
     ModelList,
 )
-from server.state import State
+from server.state import ServerState, State
+from server.streaming import StreamKind
 
 VERSION = "0.1.0"
 router = APIRouter()
@@ -76,17 +79,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Sta
     if req.session_id is not None:
         return await sessions_api.continue_session(state, served, req, request)
     choices = planning.plan_completion(served, req)
-    if req.stream:
-        return StreamingResponse(
-            streaming.stream(served, req, choices, state.metrics, completions.STREAM),
-            media_type="text/event-stream",
-        )
-    # Returned as built (the response_model documents the shape): usage.steps is present
-    # for diffusion models only, and logprobs is an explicit null.
-    body = await streaming.until_disconnected(
-        request, completions.complete(served, req, choices, state.metrics)
+    return await _answer(
+        request, state, served, req, choices, completions.STREAM, completions.complete
     )
-    return JSONResponse(body)
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
@@ -95,12 +90,27 @@ async def create_chat_completion(
 ) -> Response:
     served = state.get(req.model)
     choices = chat.plan_chat(served, req)
+    return await _answer(request, state, served, req, choices, chat.STREAM, chat.complete)
+
+
+async def _answer(
+    request: Request,
+    state: ServerState,
+    served: ServedModel,
+    req: Any,
+    choices: list[planning.Choice],
+    kind: StreamKind,
+    complete: Callable[..., Awaitable[dict[str, Any]]],
+) -> Response:
+    """A planned request's answer: its stream, or `complete`'s body. The body is returned as
+    built (the response_model documents the shape): usage.steps is present for diffusion
+    models only, and logprobs is an explicit null."""
     if req.stream:
         return StreamingResponse(
-            streaming.stream(served, req, choices, state.metrics, chat.STREAM),
+            streaming.stream(served, req, choices, state.metrics, kind),
             media_type="text/event-stream",
         )
     body = await streaming.until_disconnected(
-        request, chat.complete(served, req, choices, state.metrics)
+        request, complete(served, req, choices, state.metrics)
     )
     return JSONResponse(body)
