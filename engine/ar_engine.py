@@ -22,6 +22,7 @@ from torch import Tensor
 from engine import limits
 from engine.interface import EngineOutput, TokenLogprob
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, eos_token_ids, make_generator, sample
 from engine.scheduler import ScheduledEngine, Scheduler
 from engine.text_output import TextAssembler
@@ -55,6 +56,7 @@ class ARSequence:
     run_tokens: list[int] = field(default_factory=list)  # sampled tokens already in the cache
     last_token: int | None = None  # the final sampled token (never run), once finished
     finish_reason: str | None = None
+    cached: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # set by the scheduler
@@ -83,8 +85,11 @@ class AREngine(ScheduledEngine[ARSequence]):
         max_model_len: int,
         max_batch: int = 8,
         prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
+        # Automatic prefix caching (engine.prefix_cache); None turns it off.
+        self.prefix_cache = prefix_cache
         self.runner = ModelRunner(model)
         self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer
@@ -137,6 +142,8 @@ class AREngine(ScheduledEngine[ARSequence]):
         """Drop every request (after a failed step, whose state cannot be trusted)."""
         self.scheduler.reset()
         self.cache = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @property
     def running(self) -> list[ARSequence]:
@@ -179,6 +186,7 @@ class AREngine(ScheduledEngine[ARSequence]):
                     outputs.append(self._accept(seq, logits[i]))
                     continue
                 seq.prefilled += len(tokens)
+                self._keep_prefix(seq, seq.prompt[: seq.prefilled], len(tokens))
                 if seq.prefilled == len(seq.prompt):  # the prompt is in: its first token
                     outputs.append(self._accept(seq, logits[i]))
         self.scheduler.retire_finished()
@@ -226,8 +234,21 @@ class AREngine(ScheduledEngine[ARSequence]):
                 assert seq.session is not None and seq.session.cache is not None
                 cache.load_row(seq.row, seq.session.cache)
                 seq.compacted = seq.session.cache.biases is not None
+            elif self.prefix_cache is not None and seq.session is None:
+                blocks = self.prefix_cache.match(seq.prompt)
+                seq.cached = seq.prefilled = self.prefix_cache.load(blocks, cache, seq.row)
             else:
                 cache.reset(seq.row)
+
+    def _keep_prefix(self, seq: ARSequence, tokens: list[int], added: int) -> None:
+        """Offer the row's full blocks to the prefix cache once `added` tokens completed at
+        least one more (`tokens` are the row's committed slots; sessions keep their own)."""
+        pc = self.prefix_cache
+        if pc is None or seq.session is not None:
+            return
+        if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
+            assert self.cache is not None
+            pc.insert(tokens, self.cache, seq.row)
 
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:
@@ -283,11 +304,15 @@ class AREngine(ScheduledEngine[ARSequence]):
 
     def _finish(self, seq: ARSequence, out: EngineOutput) -> EngineOutput:
         seq.finish_reason = out.finish_reason
+        out.cached_tokens = seq.cached
         return out
 
     def _release(self, seq: ARSequence) -> None:
         if seq.session is not None and seq.append and seq.finish_reason in ("stop", "length"):
             self._write_back(seq)
+        if seq.prefilled == len(seq.prompt) and seq.run_tokens:
+            # The answer's blocks too: a chat's next turn starts with this whole exchange.
+            self._keep_prefix(seq, seq.prompt + seq.run_tokens, len(seq.run_tokens))
 
     def _move_row(self, group: str, src: int, dst: int) -> None:
         if self.cache is not None:

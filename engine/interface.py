@@ -46,6 +46,8 @@ class EngineOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Diffusion engines: forward passes (denoising steps) the request has taken so far.
     steps: int | None = None
+    # Autoregressive engines, on a request's last output: prompt tokens the prefix cache gave.
+    cached_tokens: int | None = None
 
 
 class Engine(Protocol[P, S]):

@@ -18,6 +18,7 @@ from engine.dlm_engine import DLMEngine
 from engine.dlm_sequence import DLMSequence
 from engine.engine_thread import EngineThread
 from engine.model_runner import FUSED_PREFILL_TOKENS
+from engine.prefix_cache import PrefixCache
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
@@ -100,7 +101,10 @@ def load_served_model(
     metrics: Telemetry | None = None,
     prefill_tokens: int | None = None,
     cores: CoreShare | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> ServedModel:
+    """Load a model and start its engine thread. `prefix_cache_bytes` > 0 turns automatic
+    prefix caching on for an AR model, holding at most that many bytes of prompt KV."""
     started = time.perf_counter()
     if device.type == "cpu" and kernels.cpu_has_bf16_dot():
         log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
@@ -132,7 +136,8 @@ def load_served_model(
         # Chunked prefill: a chunk is one step's stall for the running requests. On a CPU a
         # chunk small enough for the fused step keeps that to a few hundred ms (SmolLM2).
         chunk = prefill_tokens or (512 if device.type == "cuda" else FUSED_PREFILL_TOKENS)
-        engine = AREngine(model, tokenizer, limit, max_batch, chunk)
+        prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        engine = AREngine(model, tokenizer, limit, max_batch, chunk, prefix)
         if metrics is not None:
             telemetry = metrics
             engine.scheduler.on_finish = lambda seq: telemetry.observe_ar_sequence(name, seq)

@@ -51,6 +51,7 @@ def create_app(
     )
     state = ServerState(settings, store)
     state.metrics.add_gauges(state.gauges)
+    state.metrics.add_prefix_cache_counters(state.prefix_caches)
     state.metrics.add_session_gauges(
         lambda: (
             len(store.ids()),

@@ -95,7 +95,7 @@ async def complete(
     try:
         async for i, out in run_choices(served, choices):
             texts[i].append(out.text)
-            tally.add(out)
+            tally.add(out, i)
             finish[i] = out.finish_reason or finish[i]
             logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
     except asyncio.CancelledError:  # the client went away: counted as an abort
@@ -141,7 +141,7 @@ async def _chunks(
     for c in choices:  # the role comes first, as OpenAI sends it
         yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
     async for i, out in run_choices(served, choices):
-        tally.add(out)
+        tally.add(out, i)
         lps = _content_logprobs(served.tokenizer, out.logprobs)
         if out.text or out.finish_reason or lps:
             delta = {"content": out.text} if out.text else {}

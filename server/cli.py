@@ -67,10 +67,45 @@ class Flag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    switch: bool = False  # on/off: the flag alone turns it on; its variable holds 1/0
 
     @property
     def env(self) -> str:
         return "CDLM_SERVE_" + self.name.removeprefix("--").upper().replace("-", "_")
+
+    def add_to(self, group: Any) -> None:
+        # A string default goes through `type` like a command-line value: a bad environment
+        # value is a usage error naming the flag, not a traceback.
+        default = os.environ.get(self.env, self.default)
+        help = f"{self.help} (env {self.env}" + (
+            f"; default {self.default})" if self.default is not None else ")"
+        )
+        if self.switch:
+            group.add_argument(
+                self.name,
+                type=_switch,
+                nargs="?",
+                const="1",
+                default=default or "0",
+                metavar="0|1",
+                help=help,
+            )
+        else:
+            group.add_argument(
+                self.name,
+                type=self.type,
+                default=default,
+                choices=self.choices,
+                metavar=self.metavar,
+                help=help,
+            )
+
+
+def _switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off", ""):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 1 or 0")
+    return value in ("1", "true", "yes", "on")
 
 
 GROUPS = {
@@ -116,6 +151,20 @@ FLAGS = (
         "prompt tokens one engine step prefills (chunked prefill: longer prompts join over "
         "several steps while running requests keep decoding; default 512 on GPUs, 128 on CPUs)",
         type=int,
+    ),
+    Flag(
+        "--no-prefix-caching",
+        "limits",
+        "turn automatic prefix caching off: every prompt is prefilled in full (by default "
+        "the KV of prompt prefixes is kept and reused by later requests that start alike)",
+        switch=True,
+    ),
+    Flag(
+        "--prefix-cache-mb",
+        "limits",
+        "prompt KV the prefix cache keeps per model (least recently used blocks go first)",
+        "512",
+        int,
     ),
     Flag(
         "--sessions-dir",
@@ -196,17 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"comma-separated; default {DEFAULT_MODELS})",
     )
     for flag in FLAGS:
-        # A string default goes through `type` like a command-line value: a bad environment
-        # value is a usage error naming the flag, not a traceback.
-        groups[flag.group].add_argument(
-            flag.name,
-            type=flag.type,
-            default=os.environ.get(flag.env, flag.default),
-            choices=flag.choices,
-            metavar=flag.metavar,
-            help=f"{flag.help} (env {flag.env}"
-            + (f"; default {flag.default})" if flag.default is not None else ")"),
-        )
+        flag.add_to(groups[flag.group])
 
     fetch = sub.add_parser("fetch", help="download and convert the built-in model(s) now")
     fetch.add_argument(
@@ -238,6 +277,8 @@ def serve(args: argparse.Namespace) -> None:
     ):
         if value <= 0:
             sys.exit(f"cdlm-serve: {flag} must be > 0")
+    if args.prefix_cache_mb < 0:
+        sys.exit("cdlm-serve: --prefix-cache-mb must be >= 0 (0 keeps nothing)")
     if args.sessions_disk_gb < 0:
         sys.exit("cdlm-serve: --sessions-disk-gb must be >= 0 (0 = no quota)")
     device = pick_device(args.device)
@@ -249,6 +290,7 @@ def serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         prefill_tokens=args.prefill_tokens_per_step,
+        prefix_cache_bytes=0 if args.no_prefix_caching else args.prefix_cache_mb << 20,
         api_key=args.api_key,
         sessions_dir=args.sessions_dir,
         session_memory_bytes=args.session_memory_mb << 20,

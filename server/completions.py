@@ -79,7 +79,7 @@ async def complete(
     try:
         async for i, out in run_choices(served, choices):
             texts[i].append(out.text)
-            tally.add(out)
+            tally.add(out, i)
             finish[i] = out.finish_reason or finish[i]
             lp = logprobs[i]
             if lp is not None:
@@ -148,7 +148,7 @@ async def _chunks(
             yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
     sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
     async for i, out in run_choices(served, choices):
-        tally.add(out)
+        tally.add(out, i)
         lp = logprobs[i]
         if lp is not None:
             lp.add_outputs(out.logprobs)

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "cdlm_serve:"
@@ -198,6 +198,13 @@ class Metrics:
         KV cache usage fraction)}."""
         self.registry.register(_EngineGauges(read))
 
+    def add_prefix_cache_counters(
+        self, read: Callable[[], dict[str, tuple[int, int, int]]]
+    ) -> None:
+        """vLLM's prefix cache counters, read at scrape time: `read()` -> {model: (prompt
+        tokens queried, tokens found cached, bytes the cache holds)}."""
+        self.registry.register(_PrefixCacheMetrics(read))
+
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
 
@@ -237,6 +244,35 @@ class _EngineGauges(Collector):
         yield running
         yield waiting
         yield usage
+
+
+class _PrefixCacheMetrics(Collector):
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int, int]]]):
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        queries = CounterMetricFamily(
+            PREFIX + "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels=["model_name"],
+        )
+        hits = CounterMetricFamily(
+            PREFIX + "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels=["model_name"],
+        )
+        held = GaugeMetricFamily(
+            PREFIX + "prefix_cache_bytes",
+            "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-mb).",
+            labels=["model_name"],
+        )
+        for model, (q, h, nbytes) in self.read().items():
+            queries.add_metric([model], q)
+            hits.add_metric([model], h)
+            held.add_metric([model], nbytes)
+        yield queries
+        yield hits
+        yield held
 
 
 class _SessionGauges(Collector):

@@ -47,9 +47,12 @@ class UsageCount:
     completion_tokens: int = 0
     steps: int = 0
     reasons: list[str] = field(default_factory=list)
+    cached: dict[int, int] = field(default_factory=dict)  # choice -> prompt tokens cached
 
-    def add(self, out: EngineOutput) -> None:
+    def add(self, out: EngineOutput, choice: int) -> None:
         self.completion_tokens += len(out.token_ids)
+        if out.cached_tokens is not None:
+            self.cached[choice] = out.cached_tokens
         if out.finish_reason is not None:
             self.reasons.append(out.finish_reason)
             self.steps += out.steps or 0
@@ -292,16 +295,24 @@ def new_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict[str, int]:
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict[str, Any]:
     # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
-    body = {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": tally.completion_tokens,
         "total_tokens": prompt_tokens + tally.completion_tokens,
     }
     if served.is_diffusion:
         body["steps"] = tally.steps
+    else:
+        # Per prompt, the most any of its samples found in the prefix cache (its samples are
+        # admitted together, so they usually agree).
+        cached = sum(
+            max((tally.cached.get(i, 0) for i in range(p, min(p + n, len(choices)))), default=0)
+            for p in range(0, len(choices), n)
+        )
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
     return body
 
 

@@ -147,10 +147,16 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: dict[str, Any] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the prefix cache gave instead of a prefill
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Autoregressive models (OpenAI's field; 0 with --no-prefix-caching).
+    prompt_tokens_details: PromptTokensDetails | None = None
     # Diffusion models only: forward passes (denoising steps) the request took.
     steps: int | None = None
 

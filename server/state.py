@@ -13,6 +13,7 @@ from typing import Annotated
 import torch
 from fastapi import Depends, Request
 
+from engine.ar_engine import AREngine
 from engine.core_share import CoreShare
 from engine.served_model import ServedModel, load_served_model
 from engine.session_store import SessionStore
@@ -39,6 +40,7 @@ class ServerSettings:
     max_queue: int = 256
     max_batch: int = 8  # sequences decoded together per model
     prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
+    prefix_cache_bytes: int = 512 << 20  # per AR model (automatic prefix caching); 0: off
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
@@ -90,6 +92,7 @@ class ServerState:
                     self.metrics,
                     s.prefill_tokens,
                     self.cores,
+                    s.prefix_cache_bytes,
                 )
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
@@ -124,6 +127,16 @@ class ServerState:
         out = {}
         for name, served in self.models.items():
             out[name] = (served.thread.running, served.thread.waiting, served.engine.kv_usage())
+        return out
+
+    def prefix_caches(self) -> dict[str, tuple[int, int, int]]:
+        """model -> (prompt tokens queried, tokens hit, bytes held) of each model with a
+        prefix cache, read at scrape time."""
+        out = {}
+        for name, served in self.models.items():
+            if isinstance(served.engine, AREngine) and served.engine.prefix_cache is not None:
+                pc = served.engine.prefix_cache
+                out[name] = (pc.queries, pc.hits, pc.nbytes)
         return out
 
     def shutdown(self) -> None:

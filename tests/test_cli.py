@@ -34,3 +34,14 @@ def test_a_bad_environment_value_is_a_usage_error_naming_the_flag(monkeypatch, c
         cli.build_parser().parse_args(["serve"])
     assert exit_.value.code == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_a_switch_is_off_by_default_and_on_by_flag_or_environment(monkeypatch, capsys):
+    assert cli.build_parser().parse_args(["serve"]).no_prefix_caching is False
+    assert cli.build_parser().parse_args(["serve", "--no-prefix-caching"]).no_prefix_caching
+    monkeypatch.setenv("CDLM_SERVE_NO_PREFIX_CACHING", "1")
+    assert cli.build_parser().parse_args(["serve"]).no_prefix_caching is True
+    monkeypatch.setenv("CDLM_SERVE_NO_PREFIX_CACHING", "maybe")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve"])
+    assert "--no-prefix-caching" in capsys.readouterr().err

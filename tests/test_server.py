@@ -195,3 +195,39 @@ def test_health_is_503_while_models_load(tmp_path):
         release.set()
         server.should_exit = True
         thread.join(10)
+
+
+def _prefix_counters(base: str) -> tuple[float, float]:
+    found = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        for name in ("queries", "hits"):
+            if line.startswith(f'cdlm_serve:prefix_cache_{name}_total{{model_name="tiny"}}'):
+                found[name] = float(line.split()[-1])
+    return found.get("queries", -1.0), found.get("hits", -1.0)
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(base):
+    """The second request with the same 100-token prompt loads 96 of them (6 full blocks; the
+    last token always runs) and answers the same; usage and vLLM's counters say so."""
+    prompt = "".join(chr(97 + (i * 7) % 26) for i in range(100))  # 100 byte tokens, unique here
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    q0, h0 = _prefix_counters(base)
+    first = _post(base, body).json()
+    second = _post(base, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [e for e in _sse(second) if e != "[DONE]"]
+    q1, h1 = _prefix_counters(base)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == first["choices"][0]["text"]
+    assert (q1 - q0, h1 - h0) == (200, 96)
+
+
+def test_no_prefix_caching_prefills_every_prompt(tiny_llama_dir):
+    args = ("--device", "cpu", "--dtype", "float32", "--no-prefix-caching")
+    with running_server("--model", f"tiny={tiny_llama_dir}", *args) as url:
+        body = {"model": "tiny", "prompt": "x" * 80, "max_tokens": 2, "temperature": 0}
+        for _ in range(2):
+            usage = _post(url, body).json()["usage"]
+            assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert "prefix_cache_queries_total{" not in httpx.get(f"{url}/metrics").text
