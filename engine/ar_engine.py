@@ -243,12 +243,13 @@ class AREngine(ScheduledEngine[ARSequence]):
     def _keep_prefix(self, seq: ARSequence, tokens: list[int], added: int) -> None:
         """Offer the row's full blocks to the prefix cache once `added` tokens completed at
         least one more (`tokens` are the row's committed slots; sessions keep their own)."""
-        pc = self.prefix_cache
-        if pc is None or seq.session is not None:
+        pc, cache = self.prefix_cache, self.cache
+        if pc is None or seq.session is not None or cache is None:
             return
+        if cache.logical[seq.row] != cache.lengths[seq.row]:
+            return  # not its tokens at their own positions: an optimization never fails a step
         if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
-            assert self.cache is not None
-            pc.insert(tokens, self.cache, seq.row)
+            pc.insert(tokens, cache, seq.row)
 
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:

@@ -236,12 +236,14 @@ class KVCache:
 
     # ---- whole-sequence edits ------------------------------------------------------------
     def reset(self, row: int, length: int = 0) -> None:
-        """Forget committed slots of one row past `length` (its logical length follows)."""
+        """Forget committed slots of one row past `length` (its logical length follows; an
+        emptied row starts again at position 0, even after a compacted segment, whose slots
+        stood for more positions than they are)."""
         if length > self.lengths[row]:
             raise ValueError("reset can only shorten a row")
         dropped = self.lengths[row] - length
         self.lengths[row] = length
-        self.logical[row] -= dropped
+        self.logical[row] = 0 if length == 0 else self.logical[row] - dropped
         if self.biases is not None:
             for bias in self.biases:
                 bias[row, :, length:] = 0

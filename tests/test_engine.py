@@ -287,3 +287,32 @@ def test_a_growing_cache_keeps_its_slots_and_zeroes_the_new_ones(dtype):
         assert new.dtype == old.dtype and new.is_contiguous() and new.shape[2] == 10
         assert torch.equal(new[:, :, :5], old)
         assert not new[:, :, 5:].any()
+
+
+def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_zero(setup):
+    """A compacted session's row holds fewer slots than its logical length; the plain request
+    that takes the row next must get RoPE positions from 0, not from the old row's offset
+    (which RoPE's relative scores hide from its answer, but not from a session written back
+    or the prefix cache, which refused the row: a 400 on the server)."""
+    from engine import model_work
+    from engine.kv_compaction import compact_row
+    from engine.prefix_cache import PrefixCache
+    from engine.session import Session
+
+    _, plain, tok = setup
+    model = plain.model
+    engine = AREngine(model, tok, max_model_len=512, prefix_cache=PrefixCache(1 << 20))
+    ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(7)).tolist()
+    cache = model_work.prefill(model, ids)
+    compact_row(model, tok, cache, 0, ids, 20, "am-highest", "repeat", 8)
+    session = Session("s", "m", ids, cache)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add(engine.new_sequence("c", [7, 8], greedy, session=session))
+    while engine.has_work():
+        engine.step()
+    assert engine.cache is not None  # the same batch cache: its row 0 held the session
+    prompt = list(range(30, 70))  # 2 full blocks for the prefix cache
+    after, _, _ = _run(engine, prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    assert engine.cache.logical[0] == engine.cache.lengths[0] == len(prompt) + 5
+    assert after == _run(plain, prompt, max_tokens=6, temperature=0, ignore_eos=True)[0]
+    assert len(engine.prefix_cache) == 2
