@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="serve models over HTTP (the default command)",
-        description="Every flag can also be set by the environment variable it names.",
+        description="Serve models over HTTP (OpenAI's API on /v1). Every flag can also be set "
+        "by the environment variable it names. `cdlm-serve fetch [MODEL ...]` downloads and "
+        "converts built-in models ahead of time.",
     )
     groups = {key: serve.add_argument_group(title) for key, title in GROUPS.items()}
     groups["models"].add_argument(
@@ -330,8 +332,10 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["serve", *argv]  # `cdlm-serve` alone serves the default model
+    if not argv or argv[0].startswith("-"):
+        # `cdlm-serve` alone serves the default models, and `cdlm-serve --help` lists the
+        # flags that does (in groups, each with its environment variable).
+        argv = ["serve", *argv]
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "fetch":

@@ -94,6 +94,14 @@ def running_server(
             yield base
 
 
+@pytest.fixture(scope="session")
+def default_server(smollm2_dir) -> Iterator[str]:
+    """`cdlm-serve` with no --model: the default models, as a new user starts it (shared by
+    the modules that need it: starting it costs ~30 s)."""
+    with running_server() as base:
+        yield base
+
+
 def tiny_session_server(model_dir: Path, sessions_dir: Path, *extra: str):
     """A server of the tiny model `tiny` (fp32, CPU) keeping its sessions in `sessions_dir`."""
     return running_server(

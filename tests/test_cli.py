@@ -45,3 +45,14 @@ def test_a_switch_is_off_by_default_and_on_by_flag_or_environment(monkeypatch, c
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve"])
     assert "--no-prefix-caching" in capsys.readouterr().err
+
+
+def test_cdlm_serve_help_shows_the_serve_flags_in_their_groups(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: cdlm-serve serve")
+    for title in cli.GROUPS.values():
+        assert f"\n{title}:\n" in text
+    assert "cdlm-serve fetch" in text and "CDLM_SERVE_PREFIX_CACHE_MB" in text

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import REPO, running_server
+from conftest import REPO
 from engine.ar_engine import AREngine
 from engine.sampling import SamplingParams
 from models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
@@ -105,12 +105,6 @@ def test_interrupted_fetch_leaves_no_model_and_recovers(tmp_path):
     folder = ensure_model(home=home)
     assert (folder / "config.json").is_file()
     assert not list(models.glob(".*tmp-*"))  # ...is cleared by the next run
-
-
-@pytest.fixture(scope="module")
-def default_server(smollm2_dir):
-    with running_server() as base:  # no --model: the default models
-        yield base
 
 
 def test_default_server_answers_with_the_openai_client(default_server):
