@@ -113,6 +113,7 @@ async def one_request(
     max_tokens: int,
     count,
     result: Result,
+    extra: dict | None = None,
 ) -> None:
     body = {
         "model": model,
@@ -121,6 +122,7 @@ async def one_request(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     started = time.perf_counter()
     first = None
@@ -152,7 +154,14 @@ async def one_request(
 
 
 async def run_load(
-    url: str, model: str, concurrency: int, requests: int, duration: float, max_tokens: int, count
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    duration: float,
+    max_tokens: int,
+    count,
+    extra: dict | None = None,
 ) -> Result:
     result = Result()
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -173,7 +182,7 @@ async def run_load(
                 except asyncio.QueueEmpty:
                     return
             await one_request(
-                client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, count, result
+                client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, count, result, extra
             )
 
     started = time.perf_counter()
@@ -213,6 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--soak", type=float, default=0.0, help="run ours for this many seconds")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--quantize", choices=["int8"], help="serve ours with int8 weights")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="equal work: every request generates max_tokens (vLLM's option; ours only)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = p.parse_args(argv)
@@ -229,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "quantize": args.quantize,
     }
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -250,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
             str(args.concurrency),
             "--log-level",
             "warning",
+            *(["--quantize", args.quantize] if args.quantize else []),
         ],
         url,
         args.logs / "bench_load_ours.log",
@@ -258,7 +275,16 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(run_load(url, "m", args.concurrency, args.concurrency, 0, 8, count))  # warm
         rss_before = rss_mb(ours.pid)
         r = asyncio.run(
-            run_load(url, "m", args.concurrency, args.requests, args.soak, args.max_tokens, count)
+            run_load(
+                url,
+                "m",
+                args.concurrency,
+                args.requests,
+                args.soak,
+                args.max_tokens,
+                count,
+                {"ignore_eos": True} if args.ignore_eos else None,
+            )
         )
         rss_after = rss_mb(ours.pid)
     finally:

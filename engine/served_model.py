@@ -22,6 +22,7 @@ from engine.prefix_cache import PrefixCache
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
+from models.quantize import quantize_model
 from models.sources import resolve
 from models.transformer import Transformer
 
@@ -102,14 +103,18 @@ def load_served_model(
     prefill_tokens: int | None = None,
     cores: CoreShare | None = None,
     prefix_cache_bytes: int = 0,
+    quantize: str | None = None,
 ) -> ServedModel:
     """Load a model and start its engine thread. `prefix_cache_bytes` > 0 turns automatic
-    prefix caching on for an AR model, holding at most that many bytes of prompt KV."""
+    prefix caching on for an AR model, holding at most that many bytes of prompt KV;
+    `quantize="int8"` gives it Q8_0 weights (models/quantize.py)."""
     started = time.perf_counter()
     if device.type == "cpu" and kernels.cpu_has_bf16_dot():
         log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
         active = kernels.enable_cpu_kernels()
         log.info("%s: fused CPU kernels %s", name, "ready" if active else "unavailable")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"unknown quantization {quantize!r} (known: int8)")
     share = cores or CoreShare.shared()
     with share.working():  # converting and loading weights on every core, through the share
         log.info("%s: finding %s (a built-in model is fetched and converted once)", name, spec)
@@ -117,6 +122,17 @@ def load_served_model(
         log.info("%s: loading weights from %s on %s/%s", name, path, device, dtype)
         model, ckpt = share.run(
             lambda: load_model(path, device=device, dtype=dtype, resolve=resolve)
+        )
+        count = share.run(lambda: quantize_model(model)) if quantize == "int8" else 0
+    if quantize == "int8":
+        fused = device.type == "cpu" and kernels.cpu_has_bf16_dot() and dtype == torch.bfloat16
+        log.info(
+            "%s: %d matrices quantized to int8 (Q8_0); %s",
+            name,
+            count,
+            "decode steps multiply them as int8 (AVX512-VNNI)"
+            if fused
+            else "dequantized for this device/dtype: answers as int8, no speed gain here",
         )
     tokenizer = load_tokenizer(ckpt.tokenizer_folder or path)
     limit = min(

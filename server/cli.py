@@ -138,6 +138,13 @@ FLAGS = (
         choices=("auto", *DTYPES),
     ),
     Flag(
+        "--quantize",
+        "models",
+        "int8: Q8_0 weights (32 per scale, llama.cpp's format) for every model's matrices and "
+        "output head; decode steps multiply them as int8 on CPUs with AVX512-VNNI (bf16 only)",
+        choices=("int8",),
+    ),
+    Flag(
         "--max-model-len",
         "models",
         "cap on prompt + completion tokens (default: the model's own context length)",
@@ -293,6 +300,7 @@ def serve(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         prefill_tokens=args.prefill_tokens_per_step,
         prefix_cache_bytes=0 if args.no_prefix_caching else args.prefix_cache_mb << 20,
+        quantize=args.quantize,
         api_key=args.api_key,
         sessions_dir=args.sessions_dir,
         session_memory_bytes=args.session_memory_mb << 20,

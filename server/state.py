@@ -41,6 +41,7 @@ class ServerSettings:
     max_batch: int = 8  # sequences decoded together per model
     prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
     prefix_cache_bytes: int = 512 << 20  # per AR model (automatic prefix caching); 0: off
+    quantize: str | None = None  # "int8": Q8_0 weights (models/quantize.py)
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
@@ -93,6 +94,7 @@ class ServerState:
                     s.prefill_tokens,
                     self.cores,
                     s.prefix_cache_bytes,
+                    s.quantize,
                 )
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")

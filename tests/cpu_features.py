@@ -18,7 +18,7 @@ REQUIRED = os.environ.get("CDLM_REQUIRE_CPU_KERNELS") == "1"
 
 # What each kernel family needs, as /proc/cpuinfo spells the flags.
 NEEDS = {
-    "avx512-bf16": ("avx512_bf16", "avx512bw"),
+    "avx512-bf16": ("avx512_bf16", "avx512bw", "avx512_vnni"),  # VNNI: the int8 kernels
     "amx-bf16": ("amx_bf16", "amx_tile"),
 }
 

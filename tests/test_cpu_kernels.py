@@ -167,14 +167,7 @@ def test_silu_over_the_whole_range():
 def model(tmp_path_factory):
     """A tiny bf16 Llama with head_dim 64, so every fused op applies."""
     folder = tmp_path_factory.mktemp("bf16-llama")
-    tiny_models.hf_tiny(
-        "llama",
-        folder,
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=192,
-    )
+    tiny_models.kernel_llama(folder)
     return load_model(folder, dtype=BF16)[0]
 
 

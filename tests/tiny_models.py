@@ -57,6 +57,19 @@ def hf_tiny(kind: str, folder: Path, **overrides) -> torch.nn.Module:
     return model
 
 
+def kernel_llama(folder: Path) -> torch.nn.Module:
+    """`hf_tiny("llama")` with head_dim 64 (hidden 128, 2 heads, 1 KV head), so that every
+    fused CPU kernel applies to it (they need head_dim a multiple of 32)."""
+    return hf_tiny(
+        "llama",
+        folder,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=192,
+    )
+
+
 def _random_llama_layout(cfg: dict, qkv_bias: bool, seed: int) -> dict[str, torch.Tensor]:
     """Canonical (HF Llama-named) random weights for a config dict with HF keys."""
     gen = torch.Generator().manual_seed(seed)

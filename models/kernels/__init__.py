@@ -29,7 +29,7 @@ from models.rope import apply_rotary
 log = logging.getLogger(__name__)
 
 MAX_KERNEL_ROWS = 8
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = [str(Path(__file__).with_name(n)) for n in ("cpu_decode.cpp", "cpu_int8.cpp")]
 _lock = threading.Lock()
 _kernel: Any = None
 
@@ -39,19 +39,21 @@ def cpu_has_bf16_dot() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
+    # Every CPU with AVX512-BF16 has AVX512-VNNI too (the int8 kernels); checked all the same.
+    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512_vnni"))
 
 
 @cache
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+    flags += ["-mf16c", "-fopenmp"]
     amx = ["-mamx-tile", "-mamx-bf16"]
     try:
         return load(
             name="cdlm_cpu_decode",
-            sources=[str(_SOURCE)],
+            sources=_SOURCES,
             extra_cflags=flags + amx,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -60,7 +62,7 @@ def _build() -> Any:
         log.info("building the CPU kernels without AMX: %s", e)
         return load(
             name="cdlm_cpu_decode_noamx",
-            sources=[str(_SOURCE)],
+            sources=_SOURCES,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -276,11 +278,16 @@ def decode_stack(model: Any) -> Any | None:
     cached = _built_stack(model)
     if cached is not None:
         return cached
+    from models.quantize import q8_of
+
     layers = []
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         q_norm = attn.q_norm.weight if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+        matrices = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # int8 (Q8_0) codes and scales of the four matrices, where quantize_model gave them.
+        int8 = [t for m in matrices for t in (q8_of(m) or (None, None))]
         layers.append(
             [
                 block.attn_norm.weight,
@@ -295,8 +302,11 @@ def decode_stack(model: Any) -> Any | None:
                 mlp.gate_up_proj.bias,
                 mlp.down_proj.weight,
                 mlp.down_proj.bias,
+                *(int8 if any(t is not None for t in int8) else []),
             ]
         )
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    head_codes, head_scales = q8_of(head) or (None, None)
     stack = _kernel.DecodeStack(
         layers,
         model.norm.weight,
@@ -306,7 +316,9 @@ def decode_stack(model: Any) -> Any | None:
         cfg.rms_norm_eps,
         cfg.head_dim**-0.5,
         os.environ.get("CDLM_SERVE_PACKED", "1") != "0",
-        model.lm_head.weight if model.lm_head is not None else weight,
+        head.weight,
+        head_codes,
+        head_scales,
     )
     params = list(model.parameters())
     model._decode_stack = (params, [p.data_ptr() for p in params], stack)

@@ -721,6 +721,11 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
   return y;
 }
 
+// Q8_0 int8 weights (cpu_int8.cpp, linked into the same extension).
+std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor scales);
+torch::Tensor linear_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
+                        c10::optional<torch::Tensor> bias);
+
 // ---- The whole decode step in one call ---------------------------------------------------
 //
 // Runs every layer for a set of new tokens against their rows' KV caches: one token per row
@@ -734,7 +739,20 @@ struct LayerWeights {
   torch::Tensor attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up_w,
       gate_up_b, down_w, down_b;
   torch::Tensor qkv_p, o_p, gate_up_p, down_p;  // pack_bf16 of the matrices (when packed)
+  // pack_q8 of the matrices (int8 weights: packed codes, fp16 scales), used instead when set.
+  torch::Tensor qkv_q, qkv_qs, o_q, o_qs, gate_up_q, gate_up_qs, down_q, down_qs;
 };
+
+// pack_q8 of optional (codes, scales) into (packed, scales): both undefined without codes.
+void maybe_pack_q8(const c10::optional<torch::Tensor>& codes,
+                   const c10::optional<torch::Tensor>& scales, torch::Tensor& packed,
+                   torch::Tensor& packed_scales) {
+  if (!codes.has_value() || !codes->defined()) return;
+  TORCH_CHECK(scales.has_value() && scales->defined(), "int8 codes without their scales");
+  auto p = pack_q8(*codes, *scales);
+  packed = p[0];
+  packed_scales = p[1];
+}
 
 torch::Tensor opt(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? *t : torch::Tensor();
@@ -755,15 +773,24 @@ class DecodeStack {
  public:
   DecodeStack(std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
               torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale, bool packed, torch::Tensor head)
+              double eps, double scale, bool packed, torch::Tensor head,
+              c10::optional<torch::Tensor> head_codes, c10::optional<torch::Tensor> head_scales)
       : final_norm_(final_norm), head_(head), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
         scale_(scale) {
     if (packed) head_p_ = maybe_pack(head);
+    maybe_pack_q8(head_codes, head_scales, head_q_, head_qs_);
     for (auto& l : layers) {
-      TORCH_CHECK(l.size() == 12, "12 tensors per layer");
+      // 12 tensors, then optionally int8 (codes, scales) of qkv, o, gate_up and down.
+      TORCH_CHECK(l.size() == 12 || l.size() == 20, "12 or 20 tensors per layer");
       LayerWeights w{*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
                      *l[8], opt(l[9]), *l[10], opt(l[11])};
-      if (packed) {
+      if (l.size() == 20) {
+        maybe_pack_q8(l[12], l[13], w.qkv_q, w.qkv_qs);
+        maybe_pack_q8(l[14], l[15], w.o_q, w.o_qs);
+        maybe_pack_q8(l[16], l[17], w.gate_up_q, w.gate_up_qs);
+        maybe_pack_q8(l[18], l[19], w.down_q, w.down_qs);
+      }
+      if (packed && !w.qkv_q.defined()) {
         w.qkv_p = maybe_pack(w.qkv_w);
         w.o_p = maybe_pack(w.o_w);
         w.gate_up_p = maybe_pack(w.gate_up_w);
@@ -800,7 +827,7 @@ class DecodeStack {
         h = hr[0];
         residual = hr[1];
       }
-      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b);  // [T, W]
+      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b, L.qkv_q, L.qkv_qs);  // [T, W]
       if (L.q_norm.defined()) qk_norm(qkv, L.q_norm, L.k_norm);
       rope_inplace_bf16(qkv, cos, sin, H_ + Hkv_, D_);
       write_cache(qkv, keys[i], values[i], rows, slots);  // every new K/V before any attends
@@ -808,21 +835,29 @@ class DecodeStack {
       c10::optional<torch::Tensor> bias =
           biases.has_value() ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt;
       torch::Tensor attn = attend_rows(q, keys[i], values[i], rows, attend, scale_, bias);
-      torch::Tensor o = lin(attn, L.o_w, L.o_p, L.o_b);
+      torch::Tensor o = lin(attn, L.o_w, L.o_p, L.o_b, L.o_q, L.o_qs);
       auto hr = add_rms_norm_bf16(o, residual, L.mlp_norm, eps_);
       residual = hr[1];
-      torch::Tensor gu = lin(hr[0], L.gate_up_w, L.gate_up_p, L.gate_up_b);
-      x = lin(silu_mul_bf16(gu), L.down_w, L.down_p, L.down_b);
+      torch::Tensor gu = lin(hr[0], L.gate_up_w, L.gate_up_p, L.gate_up_b, L.gate_up_q,
+                             L.gate_up_qs);
+      x = lin(silu_mul_bf16(gu), L.down_w, L.down_p, L.down_b, L.down_q, L.down_qs);
     }
     return add_rms_norm_bf16(x, residual, final_norm_, eps_)[0];
   }
 
   // Logits [B, vocab] of final hidden states [B, hidden] through the output head.
-  torch::Tensor logits(torch::Tensor h) { return lin(h.contiguous(), head_, head_p_, {}); }
+  torch::Tensor logits(torch::Tensor h) {
+    return lin(h.contiguous(), head_, head_p_, {}, head_q_, head_qs_);
+  }
+
+  // Whether the matrices run on int8 weights (every layer's, as built).
+  bool int8() const { return !layers_.empty() && layers_[0].qkv_q.defined(); }
 
  private:
   static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w,
-                           const torch::Tensor& packed, const torch::Tensor& b) {
+                           const torch::Tensor& packed, const torch::Tensor& b,
+                           const torch::Tensor& q8 = {}, const torch::Tensor& q8_scales = {}) {
+    if (q8.defined()) return linear_q8(x, q8, q8_scales, w.size(0), maybe(b));
     return packed.defined() ? linear_packed_bf16(x, packed, w.size(0), maybe(b))
                             : linear_bf16(x, w, maybe(b));
   }
@@ -863,7 +898,7 @@ class DecodeStack {
   }
 
   std::vector<LayerWeights> layers_;
-  torch::Tensor final_norm_, head_, head_p_;
+  torch::Tensor final_norm_, head_, head_p_, head_q_, head_qs_;
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
 };
@@ -1107,9 +1142,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
   m.def("pack_attention_kv", &pack_attention_kv, "pack a layer's K, V for attend_packed_bf16", nogil);
   m.def("attend_packed_bf16", &attend_packed_bf16, "query rows over key ranges of packed K, V", nogil);
+  m.def("pack_q8", &pack_q8, "pack Q8_0 codes and scales for linear_q8", nogil);
+  m.def("linear_q8", &linear_q8, "small-M x @ W^T with Q8_0 int8 weights (VNNI)", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
-                          int64_t, int64_t, int64_t, double, double, bool, torch::Tensor>())
+                          int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>())
       .def("forward", &DecodeStack::forward, nogil)
-      .def("logits", &DecodeStack::logits, nogil);
+      .def("logits", &DecodeStack::logits, nogil)
+      .def("int8", &DecodeStack::int8);
 }

@@ -1,0 +1,219 @@
+// int8 weights for decoding on AVX512-VNNI CPUs: Q8_0 blocks (llama.cpp's format: 32 weights
+// of one output row share one scale), multiplied with activations quantized the same way on
+// the fly, by VNNI's u8 x s8 dot product.
+//
+// Decoding streams every weight from memory once per step, so bytes per weight set the speed:
+// bf16 moves 2 bytes a weight, Q8_0 1 + 2/32 (the scales). The arithmetic stays cheap: one
+// VPDPBUSD multiplies 64 weight bytes (16 outputs x 4 k) with one broadcast group of 4
+// activation codes per row and adds them into 16 int32 sums; a block of 32 k is 8 of them,
+// then the block's int32 sums are scaled (weight scale x activation scale) into fp32.
+//
+// VPDPBUSD takes one operand unsigned: weights are stored as code + 128 (u8, 1..255) and the
+// activations stay signed, so each block's sum carries 128 x (the sum of the row's activation
+// codes in the block), subtracted once per block (computed when the activations are
+// quantized, per row, not per output).
+//
+// Layout (pack_q8): for each 16-output tile, for each 32-k block, 8 lines of 64 bytes, line q
+// holding k = 4q..4q+3 of the 16 outputs ([16][4] bytes): one tile is one contiguous stream.
+// Scales: [tiles][blocks][16] fp16. The PyTorch reference of the whole product is
+// models/quantize.py `q8_linear_reference`.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;         // weights (and activations) per scale
+constexpr int64_t kLinesAhead = 8;     // prefetch distance within a tile's stream, in lines
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline __m512 load_bf16x16_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline void store_bf16x16_masked(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// One row's 32-k blocks to codes (round to nearest), scale = max|x| / 127, and the codes' sum.
+void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* scale, int32_t* sum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m512 lo = load_bf16x16(x + b * kBlock), hi = load_bf16x16(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+    _mm_storeu_si128((__m128i*)(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128((__m128i*)(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    scale[b] = amax / 127.f;
+    sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  }
+}
+
+struct Activations {
+  std::vector<int8_t> codes;    // [M, K]
+  std::vector<float> scales;    // [M, K / 32]
+  std::vector<int32_t> sums;    // [M, K / 32]
+};
+
+Activations quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+                std::vector<int32_t>(M * nb)};
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, a.codes.data() + m * K, a.scales.data() + m * nb,
+                 a.sums.data() + m * nb);
+  return a;
+}
+
+// M rows x R consecutive tiles (16 outputs each) over all K.
+template <int M, int R>
+inline void q8_tiles(const uint8_t* w, const uint16_t* ws, int64_t nb, const Activations& a,
+                     int64_t m0, int64_t K, const uint16_t* bias, at::BFloat16* y, int64_t N,
+                     int64_t tile) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int8_t* xq = a.codes.data() + m0 * K;
+  const float* xs = a.scales.data() + m0 * nb;
+  const int32_t* xsum = a.sums.data() + m0 * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) dot[m][r] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < kBlock / 4; ++q) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* line = w + (((tile + r) * nb + b) * 8 + q) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(line + kLinesAhead * 64), _MM_HINT_T0);
+        wv[r] = _mm512_loadu_si512(line);
+      }
+      for (int m = 0; m < M; ++m) {
+        int32_t group;
+        std::memcpy(&group, xq + m * K + b * kBlock + q * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(group);
+        for (int r = 0; r < R; ++r) dot[m][r] = _mm512_dpbusd_epi32(dot[m][r], wv[r], xb);
+      }
+    }
+    __m512 sw[R];
+    for (int r = 0; r < R; ++r)
+      sw[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + ((tile + r) * nb + b) * 16)));
+    for (int m = 0; m < M; ++m) {
+      const __m512i offset = _mm512_set1_epi32(128 * xsum[m * nb + b]);
+      const __m512 sx = _mm512_set1_ps(xs[m * nb + b]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][r], offset));
+        acc[m][r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(sw[r], sx), acc[m][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (tile + r) * 16;
+    const int64_t left = N - n0;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bv = bias ? load_bf16x16_masked(bias + n0, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      store_bf16x16_masked(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m][r], bv), mask);
+  }
+}
+
+template <int M>
+void q8_rows(const uint8_t* w, const uint16_t* ws, int64_t nb, const Activations& a, int64_t m0,
+             int64_t K, const uint16_t* bias, at::BFloat16* y, int64_t N) {
+  // M x R int32 sums + M x R fp32 sums + R weight lines + R scales within 32 registers.
+  constexpr int R = M == 1 ? 6 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
+  const int64_t tiles = (N + 15) / 16, groups = (tiles + R - 1) / R;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t tile = g * R;
+      if (tile + R <= tiles) {
+        q8_tiles<M, R>(w, ws, nb, a, m0, K, bias, y, N, tile);
+      } else {
+        for (int64_t t = tile; t < tiles; ++t) q8_tiles<M, 1>(w, ws, nb, a, m0, K, bias, y, N, t);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// codes int8 [N, K] (K a multiple of 32), scales fp32 [N, K / 32] -> {packed u8 [tiles, K/32,
+// 8, 16, 4] (code + 128, zero rows past N), scales fp16 [tiles, K/32, 16]}.
+std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous(),
+              "contiguous int8 [N, K] codes");
+  const int64_t N = codes.size(0), K = codes.size(1), nb = K / kBlock, tiles = (N + 15) / 16;
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == nb &&
+                  scales.scalar_type() == torch::kFloat32,
+              "fp32 [N, K / 32] scales");
+  auto packed = torch::full({tiles, nb, 8, 16, 4}, 128, codes.options().dtype(torch::kUInt8));
+  auto half = torch::zeros({tiles, nb, 16}, codes.options().dtype(torch::kFloat16));
+  auto s = scales.contiguous();
+  const int8_t* src = codes.data_ptr<int8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  at::Half* hp = half.data_ptr<at::Half>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t c = 0; c < 16 && t * 16 + c < N; ++c) {
+        const int64_t n = t * 16 + c;
+        for (int64_t b = 0; b < nb; ++b) {
+          hp[(t * nb + b) * 16 + c] = at::Half(sp[n * nb + b]);
+          for (int64_t k = 0; k < kBlock; ++k)
+            dst[((((t * nb + b) * 8 + k / 4) * 16 + c) * 4) + k % 4] =
+                uint8_t(int(src[n * K + b * kBlock + k]) + 128);
+        }
+      }
+  });
+  return {packed, half};
+}
+
+// y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias bf16 [N]) with W as pack_q8 gives it; any M >= 1
+// (8 rows per pass over the weights).
+torch::Tensor linear_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
+                        c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "contiguous bf16 [M, K] input");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(M >= 1 && K % kBlock == 0, "at least one row, K a multiple of 32");
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kUInt8 &&
+                  packed.size(0) == (N + 15) / 16 && packed.size(1) == nb,
+              "packed weight does not match x or N");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.numel() == packed.size(0) * nb * 16,
+              "fp16 scales of the packed weight");
+  const uint16_t* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, "bf16 [N] bias");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  const Activations a =
+      quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: q8_rows<1>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 2: q8_rows<2>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 3: q8_rows<3>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 4: q8_rows<4>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 5: q8_rows<5>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 6: q8_rows<6>(w, ws, nb, a, m0, K, b, out, N); break;
+      case 7: q8_rows<7>(w, ws, nb, a, m0, K, b, out, N); break;
+      default: q8_rows<8>(w, ws, nb, a, m0, K, b, out, N); break;
+    }
+  }
+  return y;
+}

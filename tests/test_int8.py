@@ -1,0 +1,146 @@
+"""int8 weights (Q8_0, models/quantize.py) and their VNNI kernel (kernels/cpu_int8.cpp): the
+format's round trip, the kernel against its PyTorch reference, and a quantized model's fused
+decode step against the PyTorch path on the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from cpu_features import skip_unless
+from engine.model_runner import ModelRunner
+from models import kernels
+from models.loading import load_model
+from models.quantize import (
+    dequantize_q8_0,
+    q8_linear_reference,
+    quantize_model,
+    quantize_q8_0,
+)
+
+BF16 = torch.bfloat16
+
+
+def test_q8_0_round_trip_is_within_half_a_step_per_weight():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=gen) * torch.logspace(-3, 1, 40)[:, None]
+    w[3, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    codes, scales = quantize_q8_0(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert scales.shape == (40, 3) and torch.equal(scales, scales.half().float())
+    assert scales[3, 1] == 0 and not codes[3, 32:64].any()
+    back = dequantize_q8_0(codes, scales, torch.float32)
+    step = scales.repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-12).all()
+    # The block's largest weight is one of its codes' extremes.
+    assert (codes.view(40, 3, 32).abs().amax(-1)[scales > 0] >= 126).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(4, 40))
+
+
+@pytest.fixture(scope="module")
+def built():
+    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused CPU kernels")
+    assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
+    return kernels._kernel
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (50, 576), (7, 32)])
+def test_linear_q8_computes_its_reference(built, rows, n, k):
+    """Every row count (8 per pass), a ragged last tile, a bias: the kernel's outputs are the
+    reference's (the same integer dots and scales, summed in another order) to bf16 rounding;
+    and both are the bf16 product up to what int8 costs."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    codes, scales = quantize_q8_0(w)
+    packed, packed_scales = built.pack_q8(codes, scales)
+    got = built.linear_q8(x, packed, packed_scales, n, bias).float()
+    want = q8_linear_reference(x, codes, scales, bias).float()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 2**-7 * scale  # one bf16 rounding of each
+    exact = x.float() @ w.T + bias.float()
+    assert (got - exact).abs().max() <= 0.03 * exact.abs().max()  # int8 weights and inputs
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A tiny bf16 Llama (head_dim 64, every fused op applies), its weights made Q8_0."""
+    folder = tmp_path_factory.mktemp("int8-llama")
+    tiny_models.kernel_llama(folder)
+    model = load_model(folder, dtype=BF16)[0]
+    before = model.layers[0].mlp.down_proj.weight.clone()
+    assert quantize_model(model) == 4 * model.config.num_layers + 1
+    after = model.layers[0].mlp.down_proj.weight
+    codes, scales = model.layers[0].mlp.down_proj.q8
+    assert torch.equal(after, dequantize_q8_0(codes, scales, BF16))  # torch sees Q8_0 values
+    assert not torch.equal(after, before)
+    return model
+
+
+def test_a_quantized_models_fused_step_runs_int8_and_matches_pytorch(built, quantized):
+    """The fused step of a quantized model runs on int8 weights, and its logits over a prompt
+    and two decode steps are the PyTorch path's on the dequantized weights, up to the
+    activations' int8 rounding."""
+    model = quantized
+    model._decode_stack = None
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        stack = runner.stack()
+        assert stack is not None and stack.int8()
+        ids = torch.randint(0, tiny_models.VOCAB, (10,), generator=torch.Generator().manual_seed(2))
+        chunks = [[(0, ids[:8].tolist())], [(0, [int(ids[8])])], [(0, [int(ids[9])])]]
+        cache = model.new_cache(1, 32)
+        fused = [model.logits(runner.fused_step(stack, c, cache)).float() for c in chunks]
+        cache = model.new_cache(1, 32)
+        with kernels.cpu_kernels(False):
+            ref = [model.logits(runner.extend(c, cache)).float() for c in chunks]
+    for got, want in zip(fused, ref, strict=True):
+        # (the tiny random model's logits are flat: its argmax is a near tie, not compared)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_an_unquantized_models_stack_stays_bf16(built, tmp_path):
+    tiny_models.kernel_llama(tmp_path)
+    model = load_model(tmp_path, dtype=BF16)[0]
+    stack = ModelRunner(model).stack()
+    assert stack is not None and not stack.int8()
+
+
+def test_the_server_serves_int8_weights(tmp_path):
+    """`--quantize int8`: the server's greedy answer and logprobs are those of the same model
+    quantized in process (the same kernels), not those of its bf16 weights."""
+    import httpx
+
+    from conftest import running_server
+    from engine.ar_engine import AREngine
+    from engine.sampling import SamplingParams
+
+    tiny_models.kernel_llama(tmp_path)
+    prompt = [72, 101, 108, 108, 111]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def in_process(quantize: bool) -> tuple[list[int], list[float]]:
+        model = load_model(tmp_path, dtype=BF16)[0]
+        if quantize:
+            quantize_model(model)
+        engine = AREngine(model, tiny_models.byte_tokenizer(), 512)
+        outs = list(engine.generate(prompt, params))
+        return [t for o in outs for t in o.token_ids], [
+            lp.logprob for o in outs for lp in o.logprobs
+        ]
+
+    args = ("--device", "cpu", "--dtype", "bfloat16", "--quantize", "int8")
+    with running_server("--model", f"tiny={tmp_path}", *args) as url:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}  # fmt: skip
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    tokens, logprobs = in_process(quantize=True)
+    assert choice["text"] == tiny_models.byte_tokenizer().decode(tokens)
+    assert max(abs(a - b) for a, b in zip(served, logprobs, strict=True)) <= 1e-4
+    _, plain = in_process(quantize=False)
+    assert max(abs(a - b) for a, b in zip(served, plain, strict=True)) > 1e-3
