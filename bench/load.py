@@ -221,12 +221,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--soak", type=float, default=0.0, help="run ours for this many seconds")
-    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--peer",
+        choices=["transformers", "llama.cpp", "none"],
+        default="transformers",
+        help="the server to compare with: transformers serve, or llama.cpp's llama-server "
+        "(built from source once, bench/llama_cpp.py; bf16 and Q8_0 GGUF)",
+    )
+    p.add_argument("--no-peer", dest="peer", action="store_const", const="none")
     p.add_argument("--quantize", choices=["int8"], help="serve ours with int8 weights")
     p.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="equal work: every request generates max_tokens (vLLM's option; ours only)",
+        help="equal work: every request generates max_tokens (ours and llama-server)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, default=Path("/tmp"))
@@ -293,47 +300,39 @@ def main(argv: list[str] | None = None) -> dict:
     out["rss_mb_before"], out["rss_mb_after"] = round(rss_before, 1), round(rss_after, 1)
     out["rss_growth"] = round((rss_after - rss_before) / rss_before, 4)
 
-    if args.peer:
+    extra = {"ignore_eos": True} if args.ignore_eos else None
+    out["peers"] = {}
+    for name, cmd, model in _peers(args, folder):
         port = free_port()
+        cmd = [c.replace("{port}", str(port)) for c in cmd]
         purl = f"http://127.0.0.1:{port}"
-        peer = start(
-            [
-                "transformers",
-                "serve",
-                str(folder),
-                "--continuous-batching",
-                "--dtype",
-                "bfloat16",
-                "--device",
-                "cpu",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            purl,
-            args.logs / "bench_load_peer.log",
-        )
+        peer = start(cmd, purl, args.logs / f"bench_load_{name.replace(' ', '_')}.log")
         try:
-            asyncio.run(
-                run_load(purl, str(folder), args.concurrency, args.concurrency, 0, 8, count)
-            )
+            asyncio.run(run_load(purl, model, args.concurrency, args.concurrency, 0, 8, count))
             pr = asyncio.run(
                 run_load(
-                    purl, str(folder), args.concurrency, args.requests, 0, args.max_tokens, count
+                    purl,
+                    model,
+                    args.concurrency,
+                    args.requests,
+                    0,
+                    args.max_tokens,
+                    count,
+                    None if name == "transformers serve" else extra,
                 )
             )
-            out["peer_rss_mb"] = round(rss_mb(peer.pid), 1)
+            rss = round(rss_mb(peer.pid), 1)
         finally:
             stop(peer)
-        out["peer"] = summary(pr)
+        out["peers"][name] = {**summary(pr), "rss_mb": rss}
     ours_tok_s = out["ours"]["tok_s"]
-    peer_tok_s = out.get("peer", {}).get("tok_s")
     out.update(
         {
             "ours_tok_s": ours_tok_s,
-            "peer_tok_s": peer_tok_s,
-            "ratio": round(ours_tok_s / peer_tok_s, 2) if peer_tok_s else None,
+            "ratios": {
+                name: round(ours_tok_s / s["tok_s"], 2) if s["tok_s"] else None
+                for name, s in out["peers"].items()
+            },
             "errors": out["ours"]["errors"],
         }
     )
@@ -343,21 +342,42 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
+def _peers(args: argparse.Namespace, folder: Path) -> list[tuple[str, list[str], str]]:
+    """(name, command with {port}, the model name requests carry) of each peer to run."""
+    if args.peer == "transformers":
+        cmd = ["transformers", "serve", str(folder), "--continuous-batching", "--dtype",
+               "bfloat16", "--device", "cpu", "--host", "127.0.0.1",
+               "--port", "{port}"]  # fmt: skip
+        return [("transformers serve", cmd, str(folder))]
+    if args.peer == "llama.cpp":
+        from bench import llama_cpp
+
+        return [
+            (f"llama-server {kind}", llama_cpp.server_command(
+                llama_cpp.gguf(args.model, kind), 0, args.concurrency), "m")
+            for kind in ("bf16", "Q8_0")
+        ]  # fmt: skip
+    return []
+
+
 def _print(out: dict) -> None:
+    ours = "ours" + (f" ({out['quantize']})" if out.get("quantize") else " (bf16)")
     print(
         f"\nload: {out['model']}, concurrency {out['concurrency']}, max_tokens "
-        f"{out['max_tokens']}, streaming, greedy, bf16 on CPU"
+        f"{out['max_tokens']}, streaming, greedy, on CPU"
     )
-    print(f"{'':22}{'tok/s':>8}{'TTFT p50/p99 (s)':>20}{'e2e p50/p99 (s)':>20}{'errors':>8}")
-    for name, key in (("ours", "ours"), ("transformers serve", "peer")):
-        if key in out:
-            s = out[key]
-            print(
-                f"{name:22}{s['tok_s']:>8.1f}{s['ttft_p50']:>10.2f}/{s['ttft_p99']:<9.2f}"
-                f"{s['e2e_p50']:>10.2f}/{s['e2e_p99']:<9.2f}{s['errors']:>8}"
-            )
-    if out.get("ratio"):
-        print(f"ratio {out['ratio']:.2f}x")
+    print(
+        f"{'':22}{'tok/s':>8}{'TTFT p50/p99 (s)':>20}{'e2e p50/p99 (s)':>20}{'errors':>8}"
+        f"{'RSS MB':>8}"
+    )
+    rows = [(ours, {**out["ours"], "rss_mb": out["rss_mb_after"]}), *out["peers"].items()]
+    for name, s in rows:
+        print(
+            f"{name:22}{s['tok_s']:>8.1f}{s['ttft_p50']:>10.2f}/{s['ttft_p99']:<9.2f}"
+            f"{s['e2e_p50']:>10.2f}/{s['e2e_p99']:<9.2f}{s['errors']:>8}{s['rss_mb']:>8.0f}"
+        )
+    for name, ratio in out["ratios"].items():
+        print(f"ours / {name}: {ratio:.2f}x")
     print(
         f"our RSS {out['rss_mb_before']} MB -> {out['rss_mb_after']} MB "
         f"({100 * out['rss_growth']:+.1f}%)"

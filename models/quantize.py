@@ -69,9 +69,10 @@ def q8_linear_reference(
 def quantize_model(model: Any) -> int:
     """Q8_0 for every decoder matrix (qkv, o, gate_up, down) and the output head of `model`
     (models.transformer.Transformer), in place; returns the number of matrices. Each module's
-    weight becomes its dequantized value, and its codes are kept as `module.q8` (codes,
-    scales) for the fused CPU step. A tied head shares the embedding table, which then holds
-    the dequantized values too (as in a Q8_0 GGUF)."""
+    weight becomes its dequantized value, and its codes are kept as `module.q8` for the fused
+    CPU step (`q8_of`). Call it after `kernels.enable_cpu_kernels()`, so the codes are kept
+    packed for the kernel (else the kernel packs a copy of them). A tied head shares the
+    embedding table, which then holds the dequantized values too (as in a Q8_0 GGUF)."""
     count = 0
     for block in model.layers:
         for linear in (
@@ -88,14 +89,19 @@ def quantize_model(model: Any) -> int:
 
 
 def _quantize_linear(module: Any) -> None:
+    from models import kernels
+
     weight = module.weight
     with torch.no_grad():
         codes, scales = quantize_q8_0(weight.data.cpu())
         weight.data = dequantize_q8_0(codes, scales, weight.dtype).to(weight.device)
-    module.q8 = (codes, scales)
+    # Kept in the kernel's layout where the kernels run (the fused step takes it as it is:
+    # one int8 copy in memory), else as they are.
+    module.q8 = kernels.pack_q8(codes, scales) or (codes, scales)
 
 
 def q8_of(module: Any) -> tuple[Tensor, Tensor] | None:
-    """A module's Q8_0 (codes, scales), if `quantize_model` gave it some."""
+    """A module's Q8_0 weights, if `quantize_model` gave it some: (codes, scales), or the
+    same packed for the int8 kernel (kernels.pack_q8)."""
     q8: tuple[Tensor, Tensor] | None = getattr(module, "q8", None)
     return q8

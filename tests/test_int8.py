@@ -67,7 +67,7 @@ def test_linear_q8_computes_its_reference(built, rows, n, k):
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
+def quantized(built, tmp_path_factory):
     """A tiny bf16 Llama (head_dim 64, every fused op applies), its weights made Q8_0."""
     folder = tmp_path_factory.mktemp("int8-llama")
     tiny_models.kernel_llama(folder)
@@ -75,9 +75,12 @@ def quantized(tmp_path_factory):
     before = model.layers[0].mlp.down_proj.weight.clone()
     assert quantize_model(model) == 4 * model.config.num_layers + 1
     after = model.layers[0].mlp.down_proj.weight
-    codes, scales = model.layers[0].mlp.down_proj.q8
+    codes, scales = quantize_q8_0(before)
     assert torch.equal(after, dequantize_q8_0(codes, scales, BF16))  # torch sees Q8_0 values
     assert not torch.equal(after, before)
+    packed, packed_scales = model.layers[0].mlp.down_proj.q8  # kept once, in kernel layout
+    want = built.pack_q8(codes, scales)
+    assert torch.equal(packed, want[0]) and torch.equal(packed_scales, want[1])
     return model
 
 

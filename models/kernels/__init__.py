@@ -267,6 +267,15 @@ def decode_attention(
     return torch.stack(rows).to(q.dtype)
 
 
+def pack_q8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Q8_0 codes [N, K] and scales [N, K/32] in the int8 kernel's layout (what the fused
+    step reads), or None where the kernels are off."""
+    if not _kernel:
+        return None
+    packed, packed_scales = _kernel.pack_q8(codes, scales)
+    return packed, packed_scales
+
+
 def decode_stack(model: Any) -> Any | None:
     """The model's layers as one fused C++ decode step (`DecodeStack`), or None where the
     kernels do not apply (GPU, fp32, head_dim not a multiple of 32, training). Built once per

@@ -749,6 +749,11 @@ void maybe_pack_q8(const c10::optional<torch::Tensor>& codes,
                    torch::Tensor& packed_scales) {
   if (!codes.has_value() || !codes->defined()) return;
   TORCH_CHECK(scales.has_value() && scales->defined(), "int8 codes without their scales");
+  if (codes->scalar_type() == torch::kUInt8 && codes->dim() == 5) {  // packed already
+    packed = *codes;
+    packed_scales = *scales;
+    return;
+  }
   auto p = pack_q8(*codes, *scales);
   packed = p[0];
   packed_scales = p[1];
@@ -777,8 +782,8 @@ class DecodeStack {
               c10::optional<torch::Tensor> head_codes, c10::optional<torch::Tensor> head_scales)
       : final_norm_(final_norm), head_(head), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
         scale_(scale) {
-    if (packed) head_p_ = maybe_pack(head);
     maybe_pack_q8(head_codes, head_scales, head_q_, head_qs_);
+    if (packed && !head_q_.defined()) head_p_ = maybe_pack(head);
     for (auto& l : layers) {
       // 12 tensors, then optionally int8 (codes, scales) of qkv, o, gate_up and down.
       TORCH_CHECK(l.size() == 12 || l.size() == 20, "12 or 20 tensors per layer");

@@ -1,0 +1,125 @@
+"""llama.cpp's `llama-server` as a benchmark peer, built here from source: the llama.cpp that the
+`llama-cpp-python` sdist vendors (PyPI is reachable where model hubs are not), compiled once
+for this CPU (`GGML_NATIVE`) into the user's cache, and our model converted to GGUF with the
+converter that ships with it (bf16, then `llama-quantize` to Q8_0).
+
+    python -m bench.llama_cpp            # build (minutes, once) and convert; prints the paths
+
+Everything lands under $CDLM_SERVE_HOME/llama.cpp/<version>/, each step into a temporary
+folder renamed into place when complete, so an interrupted build is simply redone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from models.fetch import serve_home
+from models.sources import DEFAULT_AR_MODEL, resolve
+
+VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
+TARGETS = ("llama-server", "llama-quantize")
+
+
+def home() -> Path:
+    return serve_home() / "llama.cpp" / VERSION
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True)
+
+
+def source() -> Path:
+    """The vendored llama.cpp tree of the sdist (downloaded and unpacked once)."""
+    out = home() / "src"
+    if (out / "CMakeLists.txt").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={VERSION}", "-d", tmp]
+        )  # fmt: skip
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        vendored = Path(tmp) / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+        if out.exists():
+            shutil.rmtree(out)
+        vendored.rename(out)
+    return out
+
+
+def binaries() -> dict[str, Path]:
+    """llama-server and llama-quantize, built for this CPU (once: ~10 min on 2 cores)."""
+    bin_dir = home() / "bin"
+    found = {t: bin_dir / t for t in TARGETS}
+    if all(p.is_file() for p in found.values()):
+        return found
+    src = source()
+    build = Path(tempfile.mkdtemp(prefix="build-", dir=home()))
+    try:
+        _run(
+            ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+             "-DBUILD_SHARED_LIBS=OFF"]
+        )  # fmt: skip
+        jobs = str(os.cpu_count() or 2)
+        _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", jobs])
+        staged = Path(tempfile.mkdtemp(prefix="bin-", dir=home()))
+        for target in TARGETS:
+            shutil.copy2(build / "bin" / target, staged / target)
+        if bin_dir.exists():
+            shutil.rmtree(bin_dir)
+        staged.rename(bin_dir)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return found
+
+
+def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
+    """`model` (an HF folder we serve) as a GGUF file: "bf16" by llama.cpp's converter, "Q8_0"
+    by llama-quantize from that. Converted once."""
+    out = home() / "models" / f"{Path(model).name}-{kind}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if kind == "bf16":
+        src = source()
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(resolve(model))]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run([*cmd, "--outtype", "bf16", "--outfile", str(tmp)], check=True, env=env)
+    else:
+        _run([str(binaries()["llama-quantize"]), str(gguf(model, "bf16")), str(tmp), kind])
+    tmp.rename(out)
+    return out
+
+
+def server_command(model_file: Path, port: int, slots: int, context: int = 2048) -> list[str]:
+    """llama-server on 127.0.0.1:port (0: a "{port}" placeholder) with `slots` parallel
+    sequences (continuous batching), `context` tokens each, on every core."""
+    return [
+        str(binaries()["llama-server"]),
+        "-m", str(model_file),
+        "--host", "127.0.0.1",
+        "--port", str(port) if port else "{port}",
+        "-np", str(slots),
+        "-c", str(context * slots),
+        "-t", str(os.cpu_count() or 2),
+        "--cont-batching",
+        "--no-webui",
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(binaries())
+    print(gguf(kind="bf16"), gguf(kind="Q8_0"))
