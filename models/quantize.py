@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models import kernels
+
 BLOCK = 32
 
 
@@ -69,10 +71,11 @@ def q8_linear_reference(
 def quantize_model(model: Any) -> int:
     """Q8_0 for every decoder matrix (qkv, o, gate_up, down) and the output head of `model`
     (models.transformer.Transformer), in place; returns the number of matrices. Each module's
-    weight becomes its dequantized value, and its codes are kept as `module.q8` for the fused
-    CPU step (`q8_of`). Call it after `kernels.enable_cpu_kernels()`, so the codes are kept
-    packed for the kernel (else the kernel packs a copy of them). A tied head shares the
-    embedding table, which then holds the dequantized values too (as in a Q8_0 GGUF)."""
+    weight becomes its dequantized value, and its codes and scales are kept as `module.q8`
+    for the fused CPU step, packed by `kernels.pack_q8` where the kernels run. Call it after
+    `kernels.enable_cpu_kernels()`, so they are kept packed (else the fused step packs a copy).
+    A tied head shares the embedding table, which then holds the dequantized values too (as
+    in a Q8_0 GGUF)."""
     count = 0
     for block in model.layers:
         for linear in (
@@ -89,8 +92,6 @@ def quantize_model(model: Any) -> int:
 
 
 def _quantize_linear(module: Any) -> None:
-    from models import kernels
-
     weight = module.weight
     with torch.no_grad():
         codes, scales = quantize_q8_0(weight.data.cpu())
@@ -98,10 +99,3 @@ def _quantize_linear(module: Any) -> None:
     # Kept in the kernel's layout where the kernels run (the fused step takes it as it is:
     # one int8 copy in memory), else as they are.
     module.q8 = kernels.pack_q8(codes, scales) or (codes, scales)
-
-
-def q8_of(module: Any) -> tuple[Tensor, Tensor] | None:
-    """A module's Q8_0 weights, if `quantize_model` gave it some: (codes, scales), or the
-    same packed for the int8 kernel (kernels.pack_q8)."""
-    q8: tuple[Tensor, Tensor] | None = getattr(module, "q8", None)
-    return q8

@@ -287,8 +287,6 @@ def decode_stack(model: Any) -> Any | None:
     cached = _built_stack(model)
     if cached is not None:
         return cached
-    from models.quantize import q8_of
-
     layers = []
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
@@ -296,7 +294,7 @@ def decode_stack(model: Any) -> Any | None:
         k_norm = attn.k_norm.weight if attn.k_norm is not None else None
         matrices = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         # int8 (Q8_0) codes and scales of the four matrices, where quantize_model gave them.
-        int8 = [t for m in matrices for t in (q8_of(m) or (None, None))]
+        int8 = [t for m in matrices for t in (_q8_of(m) or (None, None))]
         layers.append(
             [
                 block.attn_norm.weight,
@@ -315,7 +313,7 @@ def decode_stack(model: Any) -> Any | None:
             ]
         )
     head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    head_codes, head_scales = q8_of(head) or (None, None)
+    head_codes, head_scales = _q8_of(head) or (None, None)
     stack = _kernel.DecodeStack(
         layers,
         model.norm.weight,
@@ -332,6 +330,12 @@ def decode_stack(model: Any) -> Any | None:
     params = list(model.parameters())
     model._decode_stack = (params, [p.data_ptr() for p in params], stack)
     return stack
+
+
+def _q8_of(module: Any) -> tuple[Tensor, Tensor] | None:
+    """A module's int8 weights, as models.quantize.quantize_model keeps them (`module.q8`)."""
+    q8: tuple[Tensor, Tensor] | None = getattr(module, "q8", None)
+    return q8
 
 
 def _built_stack(model: Any) -> Any | None:
