@@ -150,6 +150,9 @@ class AREngine(ScheduledEngine[ARSequence]):
         """The running sequences; row i is running[i]."""
         return self.scheduler.group(ROWS)
 
+    def kv_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.allocated_bytes()
+
     def kv_usage(self) -> float:
         """Fraction of the allocated KV slots that hold committed tokens."""
         if self.cache is None:

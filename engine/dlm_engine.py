@@ -141,6 +141,10 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
     def waiting(self) -> list[DLMSequence]:
         return self.scheduler.waiting
 
+    def kv_bytes(self) -> int:
+        caches = [*self.caches.values(), *([self._scratch] if self._scratch is not None else [])]
+        return sum(c.allocated_bytes() for c in caches)
+
     def kv_usage(self) -> float:
         """Fraction of the decoding modes' KV slots holding committed tokens (vanilla keeps
         no cache)."""

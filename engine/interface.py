@@ -94,3 +94,7 @@ class Engine(Protocol[P, S]):
     def kv_usage(self) -> float:
         """Fraction of the allocated KV-cache slots holding committed tokens, in [0, 1]."""
         ...
+
+    def kv_bytes(self) -> int:
+        """Bytes the engine's batch KV caches take (every row and slot allocated)."""
+        ...

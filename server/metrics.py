@@ -11,7 +11,13 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -38,6 +44,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The process's own: process_resident_memory_bytes, CPU seconds, open files (Linux).
+        ProcessCollector(registry=self.registry)
         model = ["model_name"]
 
         def histogram(
@@ -193,9 +201,9 @@ class Metrics:
     def observe_dlm_step(self, model: str, seconds: float) -> None:
         self.dlm_step_latency.labels(model).observe(seconds)
 
-    def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float]]]) -> None:
+    def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float, int]]]) -> None:
         """Per-model gauges read at scrape time: `read()` -> {model: (running, waiting,
-        KV cache usage fraction)}."""
+        KV cache usage fraction, bytes of the engine's KV caches)}."""
         self.registry.register(_EngineGauges(read))
 
     def add_prefix_cache_counters(
@@ -218,7 +226,7 @@ class Metrics:
 
 
 class _EngineGauges(Collector):
-    def __init__(self, read: Callable[[], dict[str, tuple[int, int, float]]]):
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int, float, int]]]):
         self.read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -237,13 +245,20 @@ class _EngineGauges(Collector):
             "KV-cache usage. 1 means 100 percent usage.",
             labels=["model_name"],
         )
-        for model, (run, wait, kv) in self.read().items():
+        kv_bytes = GaugeMetricFamily(
+            PREFIX + "kv_cache_bytes",
+            "Bytes the engine's batch KV caches hold (allocated, every row and slot).",
+            labels=["model_name"],
+        )
+        for model, (run, wait, kv, nbytes) in self.read().items():
             running.add_metric([model], run)
             waiting.add_metric([model], wait)
             usage.add_metric([model], kv)
+            kv_bytes.add_metric([model], nbytes)
         yield running
         yield waiting
         yield usage
+        yield kv_bytes
 
 
 class _PrefixCacheMetrics(Collector):

@@ -124,11 +124,17 @@ class ServerState:
             )
         return served
 
-    def gauges(self) -> dict[str, tuple[int, int, float]]:
-        """model -> (running, waiting, KV cache usage), read at scrape time."""
+    def gauges(self) -> dict[str, tuple[int, int, float, int]]:
+        """model -> (running, waiting, KV cache usage, KV cache bytes), read at scrape time."""
         out = {}
         for name, served in self.models.items():
-            out[name] = (served.thread.running, served.thread.waiting, served.engine.kv_usage())
+            engine = served.engine
+            out[name] = (
+                served.thread.running,
+                served.thread.waiting,
+                engine.kv_usage(),
+                engine.kv_bytes(),
+            )
         return out
 
     def prefix_caches(self) -> dict[str, tuple[int, int, int]]:

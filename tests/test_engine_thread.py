@@ -43,6 +43,9 @@ class CountingEngine:
     def kv_usage(self) -> float:
         return 0.0
 
+    def kv_bytes(self) -> int:
+        return 0
+
     def reset(self) -> None:
         self.running.clear()
 

@@ -231,3 +231,15 @@ def test_no_prefix_caching_prefills_every_prompt(tiny_llama_dir):
             usage = _post(url, body).json()["usage"]
             assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
         assert "prefix_cache_queries_total{" not in httpx.get(f"{url}/metrics").text
+
+
+def test_memory_gauges_say_what_holds_memory(base):
+    """The process's RSS, and the engine's batch cache in bytes: after a request the tiny
+    model's cache is 8 rows x 256 slots x (K, V) x 2 layers x 2 KV heads x 16 x fp32."""
+    assert _post(base, {"model": "tiny", "prompt": "memory", "max_tokens": 2}).status_code == 200
+    samples = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(("process_resident_memory_bytes ", "cdlm_serve:kv_cache_bytes{")):
+            samples[line.split()[0]] = float(line.split()[-1])
+    assert samples['cdlm_serve:kv_cache_bytes{model_name="tiny"}'] == 8 * 256 * 2 * 2 * 2 * 16 * 4
+    assert samples["process_resident_memory_bytes"] > 50e6
