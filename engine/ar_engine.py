@@ -238,7 +238,7 @@ class AREngine(ScheduledEngine[ARSequence]):
                 cache.load_row(seq.row, seq.session.cache)
                 seq.compacted = seq.session.cache.biases is not None
             elif self.prefix_cache is not None and seq.session is None:
-                blocks = self.prefix_cache.match(seq.prompt)
+                blocks = self.prefix_cache.match(seq.prompt, seq.params.cache_salt)
                 seq.cached = seq.prefilled = self.prefix_cache.load(blocks, cache, seq.row)
             else:
                 cache.reset(seq.row)
@@ -252,7 +252,7 @@ class AREngine(ScheduledEngine[ARSequence]):
         if cache.logical[seq.row] != cache.lengths[seq.row]:
             return  # not its tokens at their own positions: an optimization never fails a step
         if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
-            pc.insert(tokens, cache, seq.row)
+            pc.insert(tokens, cache, seq.row, seq.params.cache_salt)
 
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:

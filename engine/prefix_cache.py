@@ -33,10 +33,13 @@ from models.kv_cache import KVCache
 BLOCK_TOKENS = 16  # vLLM's default block size
 
 
-def block_hashes(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> list[bytes]:
-    """One key per full block of `tokens`: key i names tokens[: (i + 1) * block]."""
+def block_hashes(
+    tokens: Sequence[int], block: int = BLOCK_TOKENS, salt: str | None = None
+) -> list[bytes]:
+    """One key per full block of `tokens`: key i names tokens[: (i + 1) * block] (and the
+    salt: keys of different salts never meet)."""
     keys: list[bytes] = []
-    parent = b""
+    parent = b"" if salt is None else hashlib.sha256(b"salt\0" + salt.encode()).digest()
     for start in range(0, len(tokens) - block + 1, block):
         digest = hashlib.sha256(parent)
         digest.update(array("q", tokens[start : start + block]).tobytes())
@@ -66,10 +69,11 @@ class PrefixCache:
         self.nbytes = 0
 
     # ---- reuse ---------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> list[Tensor]:
-        """The cached blocks of the longest cached prefix of `tokens`, in order. The last
-        token is never matched: it must run, its logits give the first answer token."""
-        keys = block_hashes(tokens[: len(tokens) - 1], self.block)
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> list[Tensor]:
+        """The cached blocks of the longest cached prefix of `tokens` (under `salt`), in
+        order. The last token is never matched: it must run, its logits give the first answer
+        token."""
+        keys = block_hashes(tokens[: len(tokens) - 1], self.block, salt)
         found: list[Tensor] = []
         for key in keys:
             kv = self.blocks.get(key)
@@ -99,14 +103,17 @@ class PrefixCache:
         return n
 
     # ---- filling -------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], cache: KVCache, row: int) -> None:
-        """Keep the full blocks of `tokens` not cached yet; `row` of `cache` holds their K/V
-        at slots [0, len(tokens)) (RoPE positions equal to slots: no compacted segment)."""
+    def insert(
+        self, tokens: Sequence[int], cache: KVCache, row: int, salt: str | None = None
+    ) -> None:
+        """Keep the full blocks of `tokens` (under `salt`) not cached yet; `row` of `cache`
+        holds their K/V at slots [0, len(tokens)) (RoPE positions equal to slots: no
+        compacted segment)."""
         if self.capacity_bytes == 0:
             return
         if cache.lengths[row] < len(tokens) or cache.logical[row] != cache.lengths[row]:
             raise ValueError("the row does not hold these tokens at their own positions")
-        keys = block_hashes(tokens, self.block)
+        keys = block_hashes(tokens, self.block, salt)
         missing = [i for i, key in enumerate(keys) if key not in self.blocks]
         if not missing:
             return

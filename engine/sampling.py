@@ -40,6 +40,9 @@ class SamplingParams(GenerationParams):
     """An autoregressive request."""
 
     logprobs: int | None = None  # report each token's logprob and this many top alternatives
+    # Prefix-cache blocks are shared only between requests with the same salt (vLLM's
+    # cache_salt: tenants cannot probe each other's prompts through cache timing).
+    cache_salt: str | None = None
 
 
 def eos_token_ids(config_eos: list[int], tokenizer: object) -> frozenset[int]:

@@ -135,6 +135,7 @@ def _params(
             stop=stop,
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
+            cache_salt=req.cache_salt,
         )
     engine = served.engine
     assert isinstance(engine, DLMEngine)  # a diffusion model's

@@ -50,6 +50,8 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
     ignore_eos: bool = False
+    # vLLM's: prefix-cache blocks are reused only by requests with the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
     # One of the registered decoding modes (engine.dlm_modes.MODES), read at request time so a
     # mode registered after import is served too; the schema lists them when it is built.

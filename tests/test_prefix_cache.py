@@ -154,3 +154,23 @@ def test_eviction_takes_the_least_recently_used_leaves_first():
     found = pc.match(a)
     assert torch.equal(found[1][:, 0], torch.stack([k[0, :, 4:8] for k in cache.keys]))
     assert torch.equal(found[1][:, 1], torch.stack([v[0, :, 4:8] for v in cache.values]))
+
+
+def test_a_salt_keeps_requests_from_sharing_blocks(model):
+    """vLLM's cache_salt: a prompt cached under one salt is a miss under another salt and
+    without one, and a hit under the same salt again."""
+    cache = PrefixCache(1 << 24)
+    engine = AREngine(model, tiny_models.byte_tokenizer(), 512, prefix_cache=cache)
+    prompt = list(range(40, 90))  # 3 full blocks before the last token
+
+    def cached(salt: str | None) -> int:
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, cache_salt=salt)
+        return list(engine.generate(prompt, params))[-1].cached_tokens
+
+    assert [cached("tenant-a"), cached("tenant-b"), cached(None), cached("tenant-a")] == [
+        0,
+        0,
+        0,
+        48,
+    ]
+    assert cached(None) == 48  # the unsalted run above is cached under no salt

@@ -243,3 +243,15 @@ def test_memory_gauges_say_what_holds_memory(base):
             samples[line.split()[0]] = float(line.split()[-1])
     assert samples['cdlm_serve:kv_cache_bytes{model_name="tiny"}'] == 8 * 256 * 2 * 2 * 2 * 16 * 4
     assert samples["process_resident_memory_bytes"] > 50e6
+
+
+def test_a_salted_request_does_not_reuse_an_unsalted_prefix(base):
+    prompt = "".join(chr(97 + (i * 11) % 26) for i in range(80))  # unique in this module
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    details = [
+        _post(base, {**body, **extra}).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for extra in ({}, {"cache_salt": "tenant"}, {"cache_salt": "tenant"}, {})
+    ]
+    assert details == [0, 0, 64, 64]
+    bad = _post(base, {**body, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
