@@ -8,7 +8,7 @@ DLM-specific series: steps per request, tokens finalized per step, step latency.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -204,14 +204,14 @@ class Metrics:
     def add_gauges(self, read: Callable[[], dict[str, tuple[int, int, float, int]]]) -> None:
         """Per-model gauges read at scrape time: `read()` -> {model: (running, waiting,
         KV cache usage fraction, bytes of the engine's KV caches)}."""
-        self.registry.register(_EngineGauges(read))
+        self.registry.register(_PerModel(ENGINE_GAUGES, read))
 
     def add_prefix_cache_counters(
         self, read: Callable[[], dict[str, tuple[int, int, int]]]
     ) -> None:
         """vLLM's prefix cache counters, read at scrape time: `read()` -> {model: (prompt
         tokens queried, tokens found cached, bytes the cache holds)}."""
-        self.registry.register(_PrefixCacheMetrics(read))
+        self.registry.register(_PerModel(PREFIX_CACHE_METRICS, read))
 
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
@@ -225,69 +225,56 @@ class Metrics:
         return _generate_latest(self.registry)
 
 
-class _EngineGauges(Collector):
-    def __init__(self, read: Callable[[], dict[str, tuple[int, int, float, int]]]):
-        self.read = read
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        running = GaugeMetricFamily(
-            PREFIX + "num_requests_running",
-            "Number of requests in model execution batches.",
-            labels=["model_name"],
-        )
-        waiting = GaugeMetricFamily(
-            PREFIX + "num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            labels=["model_name"],
-        )
-        usage = GaugeMetricFamily(
-            PREFIX + "kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels=["model_name"],
-        )
-        kv_bytes = GaugeMetricFamily(
-            PREFIX + "kv_cache_bytes",
-            "Bytes the engine's batch KV caches hold (allocated, every row and slot).",
-            labels=["model_name"],
-        )
-        for model, (run, wait, kv, nbytes) in self.read().items():
-            running.add_metric([model], run)
-            waiting.add_metric([model], wait)
-            usage.add_metric([model], kv)
-            kv_bytes.add_metric([model], nbytes)
-        yield running
-        yield waiting
-        yield usage
-        yield kv_bytes
+# Per-model metrics read at scrape time: (family, name, help), in the order `read()` gives
+# each model's values.
+ENGINE_GAUGES = (
+    (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches."),
+    (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed."),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    (
+        GaugeMetricFamily,
+        "kv_cache_bytes",
+        "Bytes the engine's batch KV caches hold (allocated, every row and slot).",
+    ),
+)
+PREFIX_CACHE_METRICS = (
+    (
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    (
+        GaugeMetricFamily,
+        "prefix_cache_bytes",
+        "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-mb).",
+    ),
+)
+Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
 
 
-class _PrefixCacheMetrics(Collector):
-    def __init__(self, read: Callable[[], dict[str, tuple[int, int, int]]]):
+class _PerModel(Collector):
+    """Metrics labelled by model_name, read at scrape time: `read()` -> {model: one value per
+    family}."""
+
+    def __init__(
+        self,
+        families: tuple[tuple[Family, str, str], ...],
+        read: Callable[[], Mapping[str, Sequence[float]]],
+    ):
+        self.families = families
         self.read = read
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        queries = CounterMetricFamily(
-            PREFIX + "prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            labels=["model_name"],
-        )
-        hits = CounterMetricFamily(
-            PREFIX + "prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            labels=["model_name"],
-        )
-        held = GaugeMetricFamily(
-            PREFIX + "prefix_cache_bytes",
-            "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-mb).",
-            labels=["model_name"],
-        )
-        for model, (q, h, nbytes) in self.read().items():
-            queries.add_metric([model], q)
-            hits.add_metric([model], h)
-            held.add_metric([model], nbytes)
-        yield queries
-        yield hits
-        yield held
+        out = [kind(PREFIX + name, doc, labels=["model_name"]) for kind, name, doc in self.families]
+        for model, values in self.read().items():
+            for family, value in zip(out, values, strict=True):
+                family.add_metric([model], value)
+        yield from out
 
 
 class _SessionGauges(Collector):
