@@ -105,6 +105,44 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@dataclass(slots=True)
+class Streamed:
+    """One streamed request as its client saw it."""
+
+    status: int
+    text: str = ""
+    usage: dict | None = None  # the last chunk's, with stream_options.include_usage
+    ttft: float = 0.0  # seconds to the first text (the whole request's if none came)
+    e2e: float = 0.0
+
+
+async def stream(client: httpx.AsyncClient, url: str, path: str, body: dict) -> Streamed | None:
+    """POST a streaming completion or chat completion to `url + path` and read it to the end;
+    None when the connection or a chunk broke."""
+    started = time.perf_counter()
+    first = None
+    text, usage = [], None
+    try:
+        async with client.stream("POST", f"{url}{path}", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return Streamed(r.status_code)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for c in chunk.get("choices") or []:
+                    piece = c.get("text") or (c.get("delta") or {}).get("content")
+                    if piece:
+                        first = first or time.perf_counter()
+                        text.append(piece)
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return None
+    done = time.perf_counter()
+    return Streamed(200, "".join(text), usage, (first or done) - started, done - started)
+
+
 async def one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -124,33 +162,14 @@ async def one_request(
         "stream_options": {"include_usage": True},
         **(extra or {}),
     }
-    started = time.perf_counter()
-    first = None
-    text, usage = [], None
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.errors += 1
-                result.server_errors += r.status_code >= 500
-                await r.aread()
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for c in chunk.get("choices") or []:
-                    if c.get("text"):
-                        first = first or time.perf_counter()
-                        text.append(c["text"])
-    except (httpx.HTTPError, json.JSONDecodeError):
+    out = await stream(client, url, "/v1/completions", body)
+    if out is None or out.status != 200:
         result.errors += 1
+        result.server_errors += out is not None and out.status >= 500
         return
-    done = time.perf_counter()
-    result.tokens += usage["completion_tokens"] if usage else count("".join(text))
-    result.ttft.append((first or done) - started)
-    result.e2e.append(done - started)
+    result.tokens += out.usage["completion_tokens"] if out.usage else count(out.text)
+    result.ttft.append(out.ttft)
+    result.e2e.append(out.e2e)
 
 
 async def run_load(

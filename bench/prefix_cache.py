@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import austen_ids, free_port, pct, rss_mb, start, stop
+from bench.load import austen_ids, free_port, pct, rss_mb, start, stop, stream
 from models.sources import DEFAULT_AR_MODEL, resolve
 
 QUESTIONS = [
@@ -68,36 +68,16 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started = time.perf_counter()
-    first, text, usage = None, [], None
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                run.errors += 1
-                await r.aread()
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                for c in chunk.get("choices") or []:
-                    if c["delta"].get("content"):
-                        first = first or time.perf_counter()
-                        text.append(c["delta"]["content"])
-    except (httpx.HTTPError, json.JSONDecodeError):
+    out = await stream(client, url, "/v1/chat/completions", body)
+    if out is None or out.status != 200 or out.usage is None:
         run.errors += 1
         return
-    done = time.perf_counter()
-    if usage is None:
-        run.errors += 1
-        return
-    run.ttft.append((first or done) - started)
-    run.e2e.append(done - started)
-    run.answers[i] = "".join(text)
-    run.tokens += usage["completion_tokens"]
-    run.prompt_tokens += usage["prompt_tokens"]
-    run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+    run.ttft.append(out.ttft)
+    run.e2e.append(out.e2e)
+    run.answers[i] = out.text
+    run.tokens += out.usage["completion_tokens"]
+    run.prompt_tokens += out.usage["prompt_tokens"]
+    run.cached_tokens += out.usage["prompt_tokens_details"]["cached_tokens"]
 
 
 async def _load(url: str, system: str, clients: int, requests: int, max_tokens: int) -> Run:
