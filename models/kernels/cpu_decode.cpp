@@ -24,6 +24,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_simd.h"
+
 namespace {
 
 constexpr int64_t kPrefetchRows = 4;  // prefetch distance in weight rows (one block ahead)
@@ -142,27 +144,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
 }
 
 namespace {
-
-inline __m512 load_bf16(const uint16_t* p) {
-  // bf16 -> fp32 is a 16-bit left shift.
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-inline void store_bf16_masked(at::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, to_bf16(v));
-}
-
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-}
 
 // One row of RMSNorm with HF's rounding order: normalize in fp32, round to bf16, then multiply
 // by the bf16 weight and round again.

@@ -25,29 +25,17 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_simd.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;         // weights (and activations) per scale
 constexpr int64_t kLinesAhead = 8;     // prefetch distance within a tile's stream, in lines
 
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-inline __m512 load_bf16x16_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline void store_bf16x16_masked(at::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // One row's 32-k blocks to codes (round to nearest), scale = max|x| / 127, and the codes' sum.
 void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* scale, int32_t* sum) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const __m512 lo = load_bf16x16(x + b * kBlock), hi = load_bf16x16(x + b * kBlock + 16);
+    const __m512 lo = load_bf16(x + b * kBlock), hi = load_bf16(x + b * kBlock + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -119,11 +107,10 @@ inline void q8_tiles(const uint8_t* w, const uint16_t* ws, int64_t nb, const Act
   }
   for (int r = 0; r < R; ++r) {
     const int64_t n0 = (tile + r) * 16;
-    const int64_t left = N - n0;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 bv = bias ? load_bf16x16_masked(bias + n0, mask) : _mm512_setzero_ps();
+    const __mmask16 mask = tail_mask(N - n0);
+    const __m512 bv = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m)
-      store_bf16x16_masked(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m][r], bv), mask);
+      store_bf16_masked(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m][r], bv), mask);
   }
 }
 
