@@ -90,16 +90,12 @@ class PrefixCache:
     def load(blocks: list[Tensor], cache: KVCache, row: int) -> int:
         """Copy `blocks` (from `match`) into `row` of `cache` as its first committed slots;
         returns their number. The cache must have room."""
-        cache.reset(row)
         if not blocks:
+            cache.reset(row)
             return 0
-        kv = torch.cat(blocks, dim=3)  # [L, 2, Hkv, n, D]
-        n = kv.shape[3]
-        for layer in range(cache.num_layers):
-            cache.keys[layer][row, :, :n] = kv[layer, 0]
-            cache.values[layer][row, :, :n] = kv[layer, 1]
-        cache.lengths[row] = n
-        cache.logical[row] = n
+        kv = torch.cat(blocks, dim=3)[:, :, None]  # [L, 2, 1, Hkv, n, D]: a batch-1 cache
+        n = kv.shape[4]
+        cache.load_row(row, KVCache(list(kv[:, 0]), list(kv[:, 1]), [n], [n]))
         return n
 
     # ---- filling -------------------------------------------------------------------------
