@@ -71,6 +71,12 @@ class Session:
     version: Version | None = None
     disk_slots: int = 0
     dirty: bool = True  # the session differs from its committed version
+    # A fork (`SessionStore.fork`) not yet committed: the committed version of the session it
+    # was forked from, whose segments its first commit links instead of writing them again.
+    base: Version | None = None
+    # The Responses API's record, if this session is a stored response (its id is the
+    # session's): status, output, usage (server/responses_api.py).
+    response: dict[str, Any] | None = None
     deleted: bool = False  # removed from the store: never written again
 
     @property
@@ -148,6 +154,7 @@ def take_version(session: Session, version: Version) -> None:
     session.next_input = version.next_input
     session.compactions = list(version.compactions)
     session.auto_compact = AutoCompact.from_json(version.auto_compact)
+    session.response = version.response
     session.created = version.created
     session.version = version
     session.disk_slots = version.length

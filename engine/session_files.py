@@ -86,6 +86,8 @@ class Version:
     commit: str = ""
     # The session's online compaction policy (`engine.auto_compaction.AutoCompact`), if any.
     auto_compact: dict[str, Any] | None = None
+    # The Responses API's record of the response this session is (server/responses_api.py).
+    response: dict[str, Any] | None = None
 
     @property
     def disk_bytes(self) -> int:
@@ -110,6 +112,7 @@ class Version:
             segments=segments,
             commit=str(obj.get("commit", "")),
             auto_compact=obj.get("auto_compact"),
+            response=obj.get("response"),
         )
 
 
@@ -159,16 +162,27 @@ def write_version(
     cache: KVCache | None,
     keep_slots: int,
     codes: QuantizedSegment | None = None,
+    link_from: Path | None = None,
 ) -> Version:
     """Commit `version` (its tokens and metadata; `segments` and `generation` are filled in
     here) with the cache's slots: the first `keep_slots` are already on disk in `version`'s
     current segments and unchanged, the rest are written as a new segment (the cache's first
     slots as `codes`' int8, in a segment of their own, where the session holds codes).
-    Returns the committed version. The caller holds the session's lock."""
+    With `link_from`, the first commit of a fork: `version`'s segments are another session's
+    files in that folder, hard-linked into this one (segments are immutable, so the two share
+    their bytes); if one cannot be linked (gone meanwhile, or a filesystem without links),
+    every slot is written from the cache instead. Returns the committed version. The caller
+    holds the session's lock."""
     new_folder = not folder.exists()
     if new_folder:
         folder.mkdir()
         fsync_dir(folder.parent)
+    if (
+        link_from is not None
+        and keep_slots > 0
+        and not _linked(link_from, folder, version.segments)
+    ):
+        keep_slots = 0
     generation = version.generation + 1
     length = 0 if cache is None else cache.lengths[0]
     segments = list(version.segments)
@@ -201,11 +215,23 @@ def write_version(
         segments=segments,
         commit=uuid.uuid4().hex,
         auto_compact=version.auto_compact,
+        response=version.response,
     )
     _write_json(committed.to_json(), folder / META)
     fsync_dir(folder)
     _remove_unreferenced(folder, committed)
     return committed
+
+
+def _linked(source: Path, folder: Path, segments: list[Segment]) -> bool:
+    """Hard-link the segment files from `source` into `folder` (False if one cannot be)."""
+    try:
+        for seg in segments:
+            os.link(source / seg.file, folder / seg.file)
+    except OSError as e:
+        log.info("could not link the segments of %s into %s (%s): writing them", source, folder, e)
+        return False
+    return True
 
 
 def read_version(folder: Path, expect_id: str | None = None) -> Version:

@@ -120,6 +120,25 @@ class SessionStore:
             self._sessions[sid] = session
         return session
 
+    def fork(self, parent: Session, session_id: str) -> Session:
+        """A new session `session_id` that starts where `parent` is (hold parent's lock, with
+        parent committed and its cache loaded). The cache moves to the fork, which is about
+        to grow it (parent reads its own back from disk when next used: no copy in memory),
+        and the fork's first commit links parent's segment files instead of writing them
+        again (`session_files.write_version`). Not on disk until it is persisted."""
+        if parent.dirty or parent.version is None:
+            raise SessionError(f"session {parent.id!r} has changes not yet stored")
+        session = self.create(parent.model, session_id)
+        session.tokens = list(parent.tokens)
+        session.next_input = parent.next_input
+        session.compactions = [dict(c) for c in parent.compactions]
+        session.auto_compact = parent.auto_compact
+        session.cache, session.codes = parent.cache, parent.codes
+        parent.cache = parent.codes = None
+        session.base = parent.version
+        session.disk_slots = parent.version.length
+        return session
+
     def get(self, sid: str) -> Session | None:
         """The session, from the shared tier if this replica does not have it (blocking I/O
         then: not for the event loop)."""
@@ -306,6 +325,7 @@ class SessionStore:
         if session.cache is None and session.tokens and session.version is not None:
             return  # spilled or packed: what is on disk is what there is
         old = session.version
+        base = session.base if old is None else None  # a fork's first commit
         draft = Version(
             id=session.id,
             model=session.model,
@@ -316,12 +336,19 @@ class SessionStore:
             length=0,
             logical=0,
             generation=0 if old is None else old.generation,
-            segments=[] if old is None else old.segments,
+            segments=old.segments if old is not None else [] if base is None else base.segments,
             auto_compact=None if session.auto_compact is None else session.auto_compact.to_json(),
+            response=session.response,
         )
         committed = session_files.write_version(
-            self.folder(session.id), draft, session.cache, session.disk_slots, session.codes
+            self.folder(session.id),
+            draft,
+            session.cache,
+            session.disk_slots,
+            session.codes,
+            link_from=None if base is None else self.folder(base.id),
         )
+        session.base = None
         with self._lock:
             self._disk_bytes += committed.disk_bytes - (0 if old is None else old.disk_bytes)
         session.version = committed

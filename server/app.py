@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
-from server import routes, sessions_api
+from server import responses_api, routes, sessions_api
 from server.errors import install_error_handlers
 from server.request_context import RequestContext
 from server.request_limits import BodySizeLimit
@@ -31,7 +31,13 @@ def _document_models(app: FastAPI, names: list[str]) -> None:
     def openapi() -> dict[str, Any]:
         schema = generate()
         components = schema.get("components", {}).get("schemas", {})
-        for name in ("CompletionRequest", "ChatCompletionRequest", "SessionCreateRequest"):
+        for name in (
+            "CompletionRequest",
+            "ChatCompletionRequest",
+            "SessionCreateRequest",
+            "ResponseCreateRequest",
+            "ResponseCompactRequest",
+        ):
             if name in components:
                 components[name]["properties"]["model"]["enum"] = names
         return schema
@@ -79,5 +85,6 @@ def create_app(
 
     app.include_router(routes.router)
     app.include_router(sessions_api.router)
+    app.include_router(responses_api.router)
     _document_models(app, [spec.name for spec in settings.models])
     return app

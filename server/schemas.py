@@ -237,9 +237,9 @@ class SessionCreateRequest(BaseModel):
     auto_compact: AutoCompactSpec | None = None
 
 
-class CompactRequest(BaseModel):
-    """Compact a session's cache: to `target_tokens` slots, or by `ratio` (slots before /
-    slots after, over the compacted region)."""
+class CompactOptions(BaseModel):
+    """How to compact a cache: to `target_tokens` slots, or by `ratio` (slots before / slots
+    after, over the compacted region), and with what (the routes that compact share these)."""
 
     model_config = STRICT
     ratio: float | None = Field(None, ge=1.5)  # smaller gains are not worth a compaction
@@ -258,3 +258,7 @@ class CompactRequest(BaseModel):
     # queries, their default) or "reference" (those they are fitted on); None: the method's
     # own (engine.kv_compaction.default_key_queries).
     key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]
+
+
+class CompactRequest(CompactOptions):
+    """POST /v1/sessions/{id}/compact."""

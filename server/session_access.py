@@ -188,3 +188,18 @@ async def load_cache(state: ServerState, served: ServedModel, session: Session) 
 async def spill(store: SessionStore) -> None:
     """Keep the session caches in memory within their bound (off the event loop)."""
     await asyncio.to_thread(store.enforce_limit)
+
+
+async def remove(store: SessionStore, session: Session, wait: float) -> None:
+    """Delete a session from memory, disk and the shared tier, under its lock (one never
+    committed is dropped from the table too), finished even if the request is cancelled."""
+
+    async def delete() -> None:
+        async with locked(store, session, wait):
+            store.forget(session)
+            try:
+                await asyncio.to_thread(store.delete, session)
+            except MirrorError as e:
+                raise tier_error(e) from None
+
+    await unstoppable(delete())

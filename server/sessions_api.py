@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine import model_work
 from engine.auto_compaction import AutoCompact
@@ -30,6 +30,7 @@ from server.errors import APIError
 from server.schemas import (
     ERROR_RESPONSES,
     SESSION_ERROR_RESPONSES,
+    AutoCompactSpec,
     CompactRequest,
     CompletionRequest,
     SessionCreateRequest,
@@ -44,6 +45,7 @@ from server.session_access import (
     model_for,
     persist,
     release,
+    remove,
     session_error,
     spill,
     tier_error,
@@ -96,13 +98,7 @@ async def continue_session(
     ):
         raise APIError(400, "a session completion takes one prompt and n = 1", param="prompt")
     events = _continuation(state, served, session, req, request)
-    await anext(events)  # admitted, or an error before any response starts
-    if req.stream:
-        return StreamingResponse(events, media_type="text/event-stream")
-    try:
-        return JSONResponse(await anext(events))
-    finally:
-        await events.aclose()
+    return await streaming.answer_when_admitted(events, req.stream)
 
 
 async def _continuation(
@@ -145,12 +141,12 @@ async def _continuation(
             yield chunk
 
 
-def _policy(req: SessionCreateRequest, served: ServedModel) -> AutoCompact | None:
-    """The session's online compaction policy, checked (400 with the param)."""
-    if req.auto_compact is None:
+def auto_compact_policy(spec: AutoCompactSpec | None, served: ServedModel) -> AutoCompact | None:
+    """A session's online compaction policy, checked (400 with the param)."""
+    if spec is None:
         return None
     try:
-        policy = AutoCompact(**req.auto_compact.model_dump())
+        policy = AutoCompact(**spec.model_dump())
     except ValueError as e:
         raise APIError(400, str(e), param="auto_compact") from None
     if policy.max_tokens >= served.max_model_len:
@@ -218,7 +214,7 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
                 f"context ({served.max_model_len})",
                 param="prompt",
             )
-    policy = _policy(req, served)
+    policy = auto_compact_policy(req.auto_compact, served)
     try:
         store.check_room(len(ids) * bytes_per_token(served))
         session = await asyncio.to_thread(store.create, req.model, req.id)
@@ -280,17 +276,8 @@ async def get_session(sid: str, state: State) -> dict[str, Any]:
     response_model=None,
 )
 async def delete_session(sid: str, state: State) -> dict[str, Any]:
-    store, wait = state.sessions, state.settings.session_lock_wait
     session = await find(state, sid)
-
-    async def remove() -> None:
-        async with locked(store, session, wait):
-            try:
-                await asyncio.to_thread(store.delete, session)
-            except MirrorError as e:
-                raise tier_error(e) from None
-
-    await unstoppable(remove())
+    await remove(state.sessions, session, state.settings.session_lock_wait)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.served_model import ServedModel
 from server.errors import APIError, error_body
@@ -38,6 +39,20 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
             raise APIError(499, "client closed the request")
     return task.result()
+
+
+async def answer_when_admitted(events: AsyncGenerator[Any, None], stream: bool) -> Response:
+    """The answer of work that yields None once admitted (an error before that is the
+    request's error, before any response starts), then its stream's chunks or its one body.
+    A body's generator is closed before the answer leaves (its cleanup, a session's commit,
+    is done by then)."""
+    await anext(events)
+    if stream:
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        return JSONResponse(await anext(events))
+    finally:
+        await events.aclose()
 
 
 @dataclass(slots=True)

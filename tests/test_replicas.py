@@ -289,3 +289,24 @@ def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
         assert client.keys("cdlm:session:s:seg:*") == []
         mirror.release("s")
         mirror.close()
+
+
+def test_a_response_is_continued_and_compacted_on_other_replicas(cluster):
+    """Responses are sessions in the shared tier: one replica continues what another stored,
+    from its cache (no earlier turn prefilled again), and compacts it for a third request."""
+    from openai import OpenAI
+
+    _, replicas = cluster
+    a, b = (OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) for url in replicas)
+    answer = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
+    first = a.responses.create(input=CONTEXT, **answer)
+    second = b.responses.create(input="Which box?", previous_response_id=first.id, **answer)
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    compacted = a.responses.compact(
+        model="tiny", previous_response_id=second.id, extra_body={"ratio": 4}
+    )
+    third = b.responses.create(input="Sure?", previous_response_id=compacted.id, **answer)
+    assert third.usage.input_tokens_details.cached_tokens == second.usage.total_tokens - 1
+    assert a.responses.retrieve(third.id).output_text == third.output_text
+    (_, folder_a), (_, folder_b) = replicas.values()
+    assert (folder_b / third.id).is_dir() and (folder_a / third.id).is_dir()  # fetched by a

@@ -217,3 +217,27 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
     assert _p99(during) <= 3 * _p99(base_gaps), (_p99(during), _p99(base_gaps))
     assert max(during) <= 1.0, max(during)
     httpx.delete(f"{base}/v1/sessions/long").raise_for_status()
+
+
+def test_a_responses_conversation_continues_as_the_whole_chat(default_server):
+    """The real template and model: the second turn, fed only what follows the stored answer
+    (its <|im_end|> the model stopped at, not fed twice), answers as a chat completion of the
+    whole conversation prefilled from scratch, from as many prompt tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused")
+    greedy = {"model": SMOLLM2.name, "temperature": 0}
+    first = client.responses.create(input="Hi! My name is Ada.", max_output_tokens=64, **greedy)
+    assert first.status == "completed"  # it stopped at the end of its turn
+    second = client.responses.create(
+        input="What is my name?", previous_response_id=first.id, max_output_tokens=24, **greedy
+    )
+    whole = [
+        {"role": "user", "content": "Hi! My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    chat = client.chat.completions.create(messages=whole, max_tokens=24, **greedy)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1

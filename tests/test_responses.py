@@ -1,0 +1,297 @@
+"""The Responses API over HTTP, driven by OpenAI's own SDK: a conversation continued from the
+stored response's cache (its earlier turns never prefilled again), streamed, compacted and
+continued, branched, deleted; `store: false` leaving nothing on disk; clear 400s for what is
+not text. Real servers, the tiny model (its template: `<role>content\\n`, `<assistant>`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import tiny_session_server, tree_snapshot
+
+ANSWER = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("responses")
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir, store):
+    with tiny_session_server(tiny_llama_dir, store) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def _meta(store: Path, rid: str) -> dict:
+    return json.loads((store / rid / "meta.json").read_text())
+
+
+def _prompt_tokens_fed(base: str) -> float:
+    """What the engine has prefilled so far: the sum of its sequences' prompt lengths."""
+    text = httpx.get(f"{base}/metrics").text
+    name = r'^cdlm_serve:request_prompt_tokens_sum\{model_name="tiny"\} (\S+)$'
+    match = re.search(name, text, re.M)
+    return 0.0 if match is None else float(match.group(1))
+
+
+def _whole(base: str, ids: list[int]) -> str:
+    """The greedy answer to a whole conversation's token ids, prefilled from scratch."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_a_continued_response_answers_as_the_whole_conversation_without_prefilling_it(
+    client, base, store
+):
+    first = client.responses.create(input="Hello there", instructions="Be brief.", **ANSWER)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.input_tokens == len(b"<system>Be brief.\n<user>Hello there\n<assistant>")
+    stored = _meta(store, first.id)
+    history = len(stored["tokens"])
+    fed_before = _prompt_tokens_fed(base)
+    second = client.responses.create(input="And again", previous_response_id=first.id, **ANSWER)
+    fed = _prompt_tokens_fed(base) - fed_before
+    new_turn = list(b"\n<user>And again\n<assistant>")
+    # Only the new turn (after the answer's last token, never run yet) went through the model.
+    assert fed == 1 + len(new_turn) < history
+    assert second.usage.input_tokens_details.cached_tokens == history
+    assert second.usage.input_tokens == history + fed
+    assert second.previous_response_id == first.id
+    # ... and it answers exactly as the whole conversation prefilled from scratch.
+    whole = stored["tokens"] + [stored["next_input"], *new_turn]
+    assert second.output_text == _whole(base, whole)
+    # The first response is unchanged on disk and in the API (it can be continued again).
+    assert _meta(store, first.id)["tokens"] == stored["tokens"]
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_a_stream_is_stored_before_it_says_completed(client, store):
+    first = client.responses.create(input="Tell me", **ANSWER)
+    events = list(
+        client.responses.create(input="More", previous_response_id=first.id, stream=True, **ANSWER)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text and final.output_text == text
+    assert _meta(store, final.id)["response"]["output"][0]["content"][0]["text"] == text
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_store_false_leaves_nothing_on_disk(client, base, store):
+    first = client.responses.create(input="Keep this", **ANSWER)
+    before = tree_snapshot(store)
+    alone = client.responses.create(input="Forget this", store=False, **ANSWER)
+    continued = client.responses.create(
+        input="Forget that", previous_response_id=first.id, store=False, **ANSWER
+    )
+    assert alone.output_text and continued.output_text
+    assert tree_snapshot(store) == before
+    for rid in (alone.id, continued.id):
+        assert httpx.get(f"{base}/v1/responses/{rid}").status_code == 404
+    # The same turn stored answers the same (store changes where it goes, not what it says).
+    stored = client.responses.create(input="Forget that", previous_response_id=first.id, **ANSWER)
+    assert stored.output_text == continued.output_text
+
+
+def test_branches_share_their_past_on_disk_and_outlive_it(client, store):
+    root = client.responses.create(input="Start", **ANSWER)
+    left = client.responses.create(input="Left", previous_response_id=root.id, **ANSWER)
+    right = client.responses.create(input="Right", previous_response_id=root.id, **ANSWER)
+    assert (
+        _meta(store, left.id)["tokens"][: len(_meta(store, root.id)["tokens"])]
+        == _meta(store, root.id)["tokens"]
+    )
+    # The root's segment files are linked, not copied, into each branch.
+    (segment,) = (s["file"] for s in _meta(store, root.id)["segments"])
+    inodes = {os.stat(store / rid / segment).st_ino for rid in (root.id, left.id, right.id)}
+    assert len(inodes) == 1
+    client.responses.delete(root.id)
+    assert not (store / root.id).exists()
+    again = client.responses.create(input="On", previous_response_id=left.id, **ANSWER)
+    assert again.output_text
+    from openai import NotFoundError
+
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(root.id)
+    with pytest.raises(NotFoundError):
+        client.responses.create(input="Gone", previous_response_id=root.id, **ANSWER)
+
+
+def test_compact_then_continue_from_the_compacted_state(client, base, store):
+    first = client.responses.create(input="A long story about boxes. " * 4, **ANSWER)
+    physical = httpx.get(f"{base}/v1/sessions/{first.id}").json()["physical_tokens"]
+    compacted = client.responses.compact(
+        model="tiny", previous_response_id=first.id, extra_body={"ratio": 4}
+    )
+    assert compacted.object == "response.compaction" and compacted.id != first.id
+    (item,) = compacted.output
+    assert item.type == "compaction" and item.encrypted_content == compacted.id
+    info = httpx.get(f"{base}/v1/sessions/{compacted.id}").json()
+    assert info["physical_tokens"] == -(-physical // 4) and info["compactions"]
+    assert info["logical_length"] == len(_meta(store, first.id)["tokens"])
+    # Continued the SDK's way (the compacted output as input) and by id: the same answer.
+    by_item = client.responses.create(
+        input=[*[o.model_dump() for o in compacted.output], {"role": "user", "content": "And?"}],
+        **ANSWER,
+    )
+    by_id = client.responses.create(input="And?", previous_response_id=compacted.id, **ANSWER)
+    assert by_item.previous_response_id == compacted.id
+    assert by_item.output_text == by_id.output_text
+    assert by_item.usage.input_tokens_details.cached_tokens == info["logical_length"]
+    # The uncompacted response is still there, whole.
+    assert httpx.get(f"{base}/v1/sessions/{first.id}").json()["physical_tokens"] == physical
+
+
+def test_a_conversation_given_as_input_is_compacted_into_a_response(client, base):
+    conversation = [
+        {"role": "user", "content": "Where is the key? " * 3},
+        {"role": "assistant", "content": "Under the mat. " * 3},
+    ]
+    compacted = client.responses.compact(
+        model="tiny", input=conversation, extra_body={"target_tokens": 20}
+    )
+    info = httpx.get(f"{base}/v1/sessions/{compacted.id}").json()
+    prompt = "<user>" + conversation[0]["content"] + "\n<assistant>" + conversation[1]["content"]
+    assert info["logical_length"] == len(prompt.encode()) and info["physical_tokens"] == 20
+    assert compacted.usage.input_tokens == len(prompt.encode())
+    nxt = client.responses.create(input="Sure?", previous_response_id=compacted.id, **ANSWER)
+    assert nxt.usage.input_tokens == len(prompt.encode()) + len(b"\n<user>Sure?\n<assistant>")
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, 400, "text"),
+        ({"input": "x", "background": True}, 400, "background"),
+        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            400,
+            "input",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, 400, "input"),
+        ({"input": [{"role": "narrator", "content": "x"}]}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": "x", "previous_response_id": "resp_nothing"}, 404, "previous_response_id"),
+        ({"input": "x", "previous_response_id": "../etc"}, 400, None),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, None),
+        ({"input": "x", "max_output_tokens": 100000}, 400, None),
+    ],
+)
+def test_what_is_not_text_or_not_there_answers_a_clear_error(base, store, body, status, param):
+    before = tree_snapshot(store)
+    r = httpx.post(f"{base}/v1/responses", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert tree_snapshot(store) == before  # a refused request stores nothing
+
+
+def test_a_plain_session_is_not_a_response(base):
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "plain", "prompt": "hi"})
+    assert r.status_code == 201
+    for req in (
+        httpx.get(f"{base}/v1/responses/plain"),
+        httpx.post(
+            f"{base}/v1/responses",
+            json={"model": "tiny", "input": "x", "previous_response_id": "plain"},
+        ),
+    ):
+        assert req.status_code == 404 and req.json()["error"]["code"] == "response_not_found"
+
+
+def test_a_refused_continuation_leaves_no_response_behind(client, base, store):
+    first = client.responses.create(input="Base", **ANSWER)
+    before = tree_snapshot(store)
+    r = httpx.post(
+        f"{base}/v1/responses",
+        json={**ANSWER, "input": "x", "previous_response_id": first.id, "max_output_tokens": 10**6},
+    )
+    assert r.status_code == 400, r.text
+    assert tree_snapshot(store) == before
+    ids = {s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"]}
+    assert ids == {p.name for p in store.iterdir() if not p.name.startswith(".")}
+    # The fork that was refused handed the cache back to nobody: the first still continues.
+    assert client.responses.create(input="y", previous_response_id=first.id, **ANSWER).output_text
+
+
+def test_responses_survive_a_restart(tiny_llama_dir, tmp_path):
+    from openai import OpenAI
+
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(input="Remember", **ANSWER)
+        expected = client.responses.create(
+            input="Now", previous_response_id=first.id, store=False, **ANSWER
+        ).output_text
+    with tiny_session_server(tiny_llama_dir, tmp_path) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        again = client.responses.create(input="Now", previous_response_id=first.id, **ANSWER)
+        assert again.output_text == expected
+
+
+@pytest.mark.parametrize("stopped", ["at the end of its turn", "at max_output_tokens"])
+def test_a_new_turn_is_the_real_template_s_rest_of_the_conversation(smollm2_dir, stopped):
+    """With SmolLM2's template (ChatML: every turn ends in <|im_end|>, the token the model
+    stops at): the stored conversation, its answer's last sampled token and the new turn are
+    the whole conversation's template, token for token."""
+    from types import SimpleNamespace
+
+    from engine.served_model import load_tokenizer
+    from server.response_input import Turn, continuation_ids, first_prompt
+
+    tok = load_tokenizer(smollm2_dir)
+    served = SimpleNamespace(
+        name="smollm2",
+        chat_template=tok.chat_template,
+        tokenizer=tok,
+        encode=lambda text: tok.encode(text, add_special_tokens=False),
+    )
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital?"}]
+    answer = "Paris is the capital of France."
+    prompt = first_prompt(served, Turn(first))
+    answer_ids = tok.encode(answer, add_special_tokens=False)
+    if stopped == "at the end of its turn":
+        cached, next_input = prompt + answer_ids, tok.convert_tokens_to_ids("<|im_end|>")
+    else:
+        cached, next_input = prompt + answer_ids[:-1], answer_ids[-1]
+    new = [{"role": "user", "content": "And of Spain?"}]
+    fed = [next_input, *continuation_ids(served, Turn(new), next_input)]
+    whole = [*first, {"role": "assistant", "content": answer}, *new]
+    text = tok.apply_chat_template(whole, add_generation_prompt=True, tokenize=False)
+    assert cached + fed == tok.encode(text, add_special_tokens=False)
