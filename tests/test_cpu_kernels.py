@@ -396,3 +396,28 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
     assert sum(a == b for a, b in pairs) >= 7, pairs
     assert abs(sum(fast_steps) - sum(ref_steps)) <= 2
     assert sum(exact_match(t, ex.answer) for t, ex in zip(fast, problems, strict=True)) >= 6
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_attention_over_the_padding_of_uneven_budgets(dim):
+    """Each head's compacted segment padded to the longest head's (a -inf bias: engine/ragged.py),
+    then recent slots: the kernel skips the padding (whole blocks of 16 and single keys) and
+    answers exactly as if the padding were read (its probability is 0), matching the reference."""
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, slots, segment = 3, 6, 3, 90, 70
+    q = torch.randn(batch, heads, dim, generator=gen).to(BF16)
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(BF16)
+    bias = torch.randn(batch, kv_heads, slots, generator=gen)
+    for b, budgets in enumerate([(70, 5, 33), (1, 16, 47), (64, 70, 2)]):
+        for g, t in enumerate(budgets):
+            bias[b, g, t:segment] = float("-inf")
+    lengths = [90, 75, 71]
+    with torch.inference_mode():
+        fast, ref = both(lambda: kernels.decode_attention(q, keys, values, lengths, 0.125, bias))
+        # What the padding holds never matters: it is not read.
+        keys[bias.isneginf()] = float("nan")
+        values[bias.isneginf()] = float("nan")
+        again = kernels.decode_attention(q, keys, values, lengths, 0.125, bias)
+    assert fast.shape == (batch, heads * dim) and _rel(fast, ref) <= 2e-2
+    assert torch.equal(again, fast)

@@ -324,39 +324,49 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   TORCH_CHECK(D <= 256, "head_dim <= 256");
   at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
+    std::vector<__mmask16> seen;  // per block of 16 keys: those attended to
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / H, h = th % H, g = h / group, b = rows[t], L = lens[t];
       const uint16_t* qh = qp + t * qstride + h * D;
       const uint16_t* kh = kp + (b * Hkv + g) * S * D;
       const uint16_t* vh = vp + (b * Hkv + g) * S * D;
       const float* bh_bias = bp ? bp + (b * Hkv + g) * S : nullptr;
-      p.resize((L + 15) / 16 * 16);
+      const int64_t blocks = (L + 15) / 16;
+      p.resize(blocks * 16);
+      seen.resize(blocks);
       // Scores 16 keys at a time: D/32 dot-product steps per key, then one transposing
-      // reduction for all 16 (a horizontal sum per key would cost ~4x more).
-      __m512 mx = _mm512_set1_ps(-INFINITY);
+      // reduction for all 16 (a horizontal sum per key would cost ~4x more). A key whose bias
+      // is -inf is the padding of non-uniform budgets (engine/ragged.py: each head's segment
+      // is as long as the longest head's): its probability is exactly 0, so neither it nor its
+      // value is read, and a head pays for its own slots only.
+      const __m512 hidden = _mm512_set1_ps(-INFINITY);
+      __m512 mx = hidden;
       for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const int64_t n = std::min<int64_t>(16, L - j0);
-        const __mmask16 live = tail_mask(n);
+        const __mmask16 live = tail_mask(L - j0);
+        const __m512 beta = bh_bias ? _mm512_maskz_loadu_ps(live, bh_bias + j0) : _mm512_setzero_ps();
+        const __mmask16 keys = bh_bias ? _mm512_mask_cmp_ps_mask(live, beta, hidden, _CMP_NEQ_UQ) : live;
+        seen[j0 / 16] = keys;
+        if (!keys) continue;
         __m512 part[16];
         for (int i = 0; i < 16; ++i) {
           __m512 acc = _mm512_setzero_ps();
-          if (i < n)
+          if (keys >> i & 1)
             for (int64_t d = 0; d < D; d += 32)
               acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d),
                                      (__m512bh)_mm512_loadu_si512(kh + (j0 + i) * D + d));
           part[i] = acc;
         }
-        __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(fscale));
-        if (bh_bias) sc = _mm512_add_ps(sc, _mm512_maskz_loadu_ps(live, bh_bias + j0));
-        sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sc);
+        __m512 sc = _mm512_add_ps(_mm512_mul_ps(sum16(part), _mm512_set1_ps(fscale)), beta);
+        sc = _mm512_mask_mov_ps(hidden, keys, sc);
         _mm512_storeu_ps(p.data() + j0, sc);
         mx = _mm512_max_ps(mx, sc);
       }
       const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
       __m512 total = _mm512_setzero_ps();
       for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(tail_mask(L - j0),
-                                             exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p.data() + j0), top)));
+        const __mmask16 keys = seen[j0 / 16];
+        if (!keys) continue;
+        const __m512 e = _mm512_maskz_mov_ps(keys, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p.data() + j0), top)));
         _mm512_storeu_ps(p.data() + j0, e);
         total = _mm512_add_ps(total, e);
       }
@@ -364,10 +374,13 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
       const int64_t C = D / 16;
       __m512 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < L; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int64_t c = 0; c < C; ++c)
-          acc[c] = _mm512_fmadd_ps(pj, load_bf16(vh + j * D + 16 * c), acc[c]);
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        for (uint32_t keys = seen[j0 / 16]; keys; keys &= keys - 1) {
+          const int64_t j = j0 + __builtin_ctz(keys);
+          const __m512 pj = _mm512_set1_ps(p[j]);
+          for (int64_t c = 0; c < C; ++c)
+            acc[c] = _mm512_fmadd_ps(pj, load_bf16(vh + j * D + 16 * c), acc[c]);
+        }
       }
       const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
       for (int64_t c = 0; c < C; ++c)
