@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import compaction_budgets
+from engine import compaction_budgets, sampling
 from engine.ar_engine import AREngine, ARSequence
 from engine.core_share import CoreShare
 from engine.dlm_engine import DLMEngine
@@ -64,6 +64,11 @@ class ServedModel:
     @property
     def is_diffusion(self) -> bool:
         return self.config.is_diffusion
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens an answer stops at (the config's and the tokenizer's)."""
+        return sampling.eos_token_ids(self.config.eos_token_ids, self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; ValueError, before tokenizing, for a text so long that even

@@ -180,6 +180,7 @@ def write_version(
     if (
         link_from is not None
         and keep_slots > 0
+        and len(version.segments) < MAX_SEGMENTS  # else merged into one new file below
         and not _linked(link_from, folder, version.segments)
     ):
         keep_slots = 0

@@ -18,6 +18,7 @@ for its whole run, so the two never interleave on one cache.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -61,7 +62,12 @@ class SessionStore:
         self.max_disk_bytes = max_disk_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order, oldest first
         self._lock = threading.Lock()  # guards the table, never held while waiting on a session
-        self._disk_bytes = 0
+        self._disk_bytes = 0  # of the distinct files the sessions' versions name
+        # Files by identity, each counted once however many sessions name it (a response and
+        # its forks share segment files: hard links): (device, inode, size, mtime) -> [bytes,
+        # sessions naming it]; and the identities each session's version names.
+        self._files: dict[tuple[int, int, int, int], list[int]] = {}
+        self._charged: dict[str, list[tuple[int, int, int, int]]] = {}
         self._discover()
 
     # ---- paths -----------------------------------------------------------------------------
@@ -89,7 +95,7 @@ class SessionStore:
                 log.info("removed %s: a create that was never committed", path)
                 continue
             self._sessions[version.id] = from_version(version)
-            self._disk_bytes += version.disk_bytes
+            self._charge(version.id, version)
 
     def ids(self) -> list[str]:
         with self._lock:
@@ -103,11 +109,14 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, model: str, session_id: str | None = None) -> Session:
-        """A new session in the table (not yet on disk: `persist` it before answering)."""
+    def create(self, model: str, session_id: str | None = None, fresh: bool = False) -> Session:
+        """A new session in the table (not yet on disk: `persist` it before answering). A
+        `fresh` id (a new random one, as are those made here) cannot be another replica's, so
+        the shared tier is not asked: no blocking I/O then."""
+        fresh = fresh or session_id is None
         sid = check_id(session_id) if session_id is not None else f"sess-{uuid.uuid4().hex}"
         self.folder(sid)
-        shared = self.mirror is not None and self.mirror.current(sid) is not None
+        shared = not fresh and self.mirror is not None and self.mirror.current(sid) is not None
         with self._lock:
             if sid in self._sessions or shared:
                 raise SessionExists(f"session {sid!r} already exists")
@@ -121,14 +130,15 @@ class SessionStore:
         return session
 
     def fork(self, parent: Session, session_id: str) -> Session:
-        """A new session `session_id` that starts where `parent` is (hold parent's lock, with
-        parent committed and its cache loaded). The cache moves to the fork, which is about
-        to grow it (parent reads its own back from disk when next used: no copy in memory),
-        and the fork's first commit links parent's segment files instead of writing them
-        again (`session_files.write_version`). Not on disk until it is persisted."""
+        """A new session `session_id` (a fresh random id) that starts where `parent` is (hold
+        parent's lock, with parent committed and its cache loaded). The cache moves to the
+        fork, which is about to grow it (parent reads its own back from disk when next used:
+        no copy in memory), and the fork's first commit links parent's segment files instead
+        of writing them again (`session_files.write_version`). Not on disk until it is
+        persisted; no blocking I/O."""
         if parent.dirty or parent.version is None:
             raise SessionError(f"session {parent.id!r} has changes not yet stored")
-        session = self.create(parent.model, session_id)
+        session = self.create(parent.model, session_id, fresh=True)
         session.tokens = list(parent.tokens)
         session.next_input = parent.next_input
         session.compactions = [dict(c) for c in parent.compactions]
@@ -170,9 +180,9 @@ class SessionStore:
             except SessionLimit:
                 session_files.trash(self.folder(sid))  # the shared copy stays
                 raise
+            self._charge(sid, version)
             with self._lock:
                 self._sessions[sid] = from_version(version)
-                self._disk_bytes += version.disk_bytes
                 return self._sessions[sid]
 
     def _fetch_lock(self, sid: str) -> threading.Lock:
@@ -215,8 +225,7 @@ class SessionStore:
         if version is None:  # deleted between the two reads
             self._delete_local(session)
             return False
-        with self._lock:
-            self._disk_bytes += version.disk_bytes - session.version.disk_bytes
+        self._charge(session.id, version)
         take_version(session, version)
         return True
 
@@ -231,8 +240,8 @@ class SessionStore:
         with self._lock:
             if self._sessions.get(session.id) is session:
                 del self._sessions[session.id]
-            if session.version is not None:
-                self._disk_bytes -= session.version.disk_bytes
+        if session.version is not None:
+            self._charge(session.id, None)
         session.deleted = True
         session_files.trash(self.folder(session.id))
         session.version = None
@@ -247,6 +256,36 @@ class SessionStore:
     def memory_bytes(self) -> int:
         with self._lock:
             return sum(s.nbytes() for s in self._sessions.values())
+
+    def _charge(self, sid: str, version: Version | None) -> None:
+        """Count the files `version` names as session `sid`'s disk use (None: it has none
+        now), instead of what it named before: a file several sessions name (linked by a
+        fork) counts once, until the last of them lets it go."""
+        named = []
+        if version is not None:
+            folder = self.folder(sid)
+            for seg in version.segments:
+                try:
+                    st = os.stat(folder / seg.file)
+                    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                except OSError:  # gone meanwhile (deleted through another replica): its size
+                    key = (-1, hash((sid, seg.file)), seg.bytes, 0)
+                named.append((key, seg.bytes))
+        with self._lock:
+            for key in self._charged.pop(sid, []):
+                entry = self._files.get(key)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        self._disk_bytes -= entry[0]
+                        del self._files[key]
+            for key, size in named:
+                entry = self._files.setdefault(key, [size, 0])
+                if entry[1] == 0:
+                    self._disk_bytes += size
+                entry[1] += 1
+            if named:
+                self._charged[sid] = [key for key, _ in named]
 
     def disk_bytes(self) -> int:
         return self._disk_bytes
@@ -288,6 +327,8 @@ class SessionStore:
         for victim in candidates:  # least recently used first
             if self.memory_bytes() <= self.max_bytes:
                 return
+            if victim.version is None:
+                continue  # being made (a create, a response's fork): its request commits it
             if not victim.lock.acquire(blocking=False):
                 continue  # in use
             try:
@@ -349,8 +390,7 @@ class SessionStore:
             link_from=None if base is None else self.folder(base.id),
         )
         session.base = None
-        with self._lock:
-            self._disk_bytes += committed.disk_bytes - (0 if old is None else old.disk_bytes)
+        self._charge(session.id, committed)
         session.version = committed
         session.disk_slots = committed.length
         session.dirty = False

@@ -26,11 +26,28 @@ MAX_ITEMS = 1024  # input items per request (the body's size bounds them too)
 
 @dataclass(slots=True)
 class Turn:
-    """A request's new messages, and the stored response a compaction item in its input names
-    (OpenAI's compacted state: the item `POST /v1/responses/compact` returned)."""
+    """A request's new messages and instructions, and the stored response a compaction item in
+    its input names (OpenAI's compacted state: the item `POST /v1/responses/compact`
+    returned)."""
 
     messages: list[dict[str, str]]
+    instructions: str | None = None
     compacted: str | None = None
+
+    def first(self) -> list[dict[str, str]]:
+        """A new conversation's messages: the instructions first, as a system message."""
+        if self.instructions is None:
+            return list(self.messages)
+        return [{"role": "system", "content": self.instructions}, *self.messages]
+
+    def after(self, stored_instructions: str | None) -> list[dict[str, str]]:
+        """A continuation's new messages. The stored conversation's instructions are in its
+        cache already: the same instructions again (OpenAI's clients send them with every
+        turn, as OpenAI does not carry them over) are not repeated; other ones come as a
+        system message before the new messages."""
+        if self.instructions is None or self.instructions == stored_instructions:
+            return list(self.messages)
+        return [{"role": "system", "content": self.instructions}, *self.messages]
 
 
 def _refuse(message: str) -> APIError:
@@ -57,7 +74,7 @@ def _text(content: Any, where: str) -> str:
 def parse_input(input_: str | list[Any] | None, instructions: str | None) -> Turn:
     """The request's messages (400 for anything but text messages and one leading
     compaction item)."""
-    turn = Turn([] if instructions is None else [{"role": "system", "content": instructions}])
+    turn = Turn([], instructions)
     if isinstance(input_, str):
         turn.messages.append({"role": "user", "content": input_})
         return turn
@@ -100,20 +117,24 @@ def first_prompt(served: ServedModel, turn: Turn) -> list[int]:
     """The prompt of a new conversation."""
     if not turn.messages:
         raise _refuse("input is empty")
-    return encode(served, _render(served, turn.messages), "input")
+    return encode(served, _render(served, turn.first()), "input")
 
 
-def continuation_ids(served: ServedModel, turn: Turn, next_input: int | None) -> list[int]:
+def continuation_ids(
+    served: ServedModel, turn: Turn, next_input: int | None, stored_instructions: str | None
+) -> list[int]:
     """What follows a stored answer: the template renders a conversation whose assistant
     answer ends in a unique marker, followed by the new messages; what comes after the marker
     is the text to feed. `next_input` is the answer's last sampled token, which the model has
-    not run yet and which the session feeds first; where it is the end of the turn the
-    template writes (the model stopped there), it is not fed twice."""
+    not run yet and which the session feeds first; where it is an end-of-text token the
+    template also writes there (the model stopped at the end of its turn), it is not fed
+    twice. A token that only looks like the turn's end (a newline in a template without an
+    end-of-turn token, an answer cut at max_output_tokens) is the answer's own: kept."""
     if not turn.messages:
         raise _refuse("input is empty: a continuation needs at least one message")
     marker = f"<<{uuid.uuid4().hex}>>"
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
-    text = _render(served, probe + turn.messages)
+    text = _render(served, probe + turn.after(stored_instructions))
     _, found, after = text.partition(marker)
     if not found or marker in after:
         raise APIError(
@@ -122,7 +143,7 @@ def continuation_ids(served: ServedModel, turn: Turn, next_input: int | None) ->
             param="previous_response_id",
         )
     ids = encode(served, after, "input")
-    if next_input is not None and ids[:1] == [next_input]:
+    if next_input in served.eos_token_ids and ids[:1] == [next_input]:
         ids = ids[1:]
     return ids
 
@@ -134,8 +155,9 @@ def prompt_text(served: ServedModel, turn: Turn) -> list[int]:
     if not turn.messages or turn.messages[-1]["role"] != "assistant":
         raise _refuse("the conversation to compact must end with an assistant message")
     marker = f"<<{uuid.uuid4().hex}>>"
-    last = {**turn.messages[-1], "content": turn.messages[-1]["content"] + marker}
-    before, found, _ = _render(served, [*turn.messages[:-1], last]).partition(marker)
+    messages = turn.first()
+    last = {**messages[-1], "content": messages[-1]["content"] + marker}
+    before, found, _ = _render(served, [*messages[:-1], last]).partition(marker)
     if not found:
         raise _refuse(f"the chat template of {served.name!r} drops the assistant's answer")
     ids = encode(served, before, "input")

@@ -92,6 +92,12 @@ async def _stored(state: ServerState, rid: str, param: str) -> Session:
     return session
 
 
+def _instructions(stored: Session) -> str | None:
+    """The instructions a stored response's conversation holds in its cache."""
+    value = (stored.response or {}).get("instructions")
+    return value if isinstance(value, str) else None
+
+
 def _previous(given: str | None, turn: Turn) -> str | None:
     """The response to continue: `previous_response_id`, or the compaction item in the
     input (the two must agree)."""
@@ -113,6 +119,8 @@ class Answer:
     req: ResponseCreateRequest
     model: str
     previous: str | None
+    # In effect: the request's, or the stored conversation's (in its cache) without new ones.
+    instructions: str | None = None
     history: int = 0  # tokens of the conversation already in the cache
     choices: list[Choice] = field(default_factory=list)
     tally: UsageCount = field(default_factory=UsageCount)
@@ -166,7 +174,7 @@ class Answer:
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if done and self.status == "incomplete" else None
             ),
-            "instructions": req.instructions,
+            "instructions": self.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
             "model": self.model,
@@ -236,8 +244,11 @@ async def _respond(
 ) -> AsyncGenerator[Any, None]:
     """Yields None once admitted (sessions found and locked, the turn planned), then the
     response body or its stream's events."""
-    answer = Answer(_new_id("resp"), req, served.name, previous)
     parent = None if previous is None else await _stored(state, previous, "previous_response_id")
+    instructions = req.instructions
+    if instructions is None and parent is not None:
+        instructions = _instructions(parent)
+    answer = Answer(_new_id("resp"), req, served.name, previous, instructions)
     if parent is not None and parent.model != served.name:
         raise APIError(
             400, f"response {previous!r} belongs to model {parent.model!r}", param="model"
@@ -250,16 +261,23 @@ async def _respond(
         async for out in _answer(state, served, answer, request, None):
             yield out
         return
-    session = parent if not req.store else await _open(state, served, parent, answer.id, req)
-    assert session is not None
+    made: list[Session] = []  # the response's own session, once made (ours to discard)
     try:
-        async with using(state, served, session):
+        session = parent
+        if req.store:
+            session = await _open(state, served, parent, answer.id, req, made)
+        assert session is not None
+
+        def keep() -> bool:  # a response never finished is removed, never written
+            return not req.store or session.response is not None
+
+        async with using(state, served, session, keep):
             await load_cache(state, served, session)
             answer.history = session.logical_length
             ids = (
                 first_prompt(served, turn)
                 if parent is None
-                else continuation_ids(served, turn, session.next_input)
+                else continuation_ids(served, turn, session.next_input, _instructions(parent))
             )
             creq = _completion(req, ids, req.store)
             answer.choices = planning.plan_session(served, creq, session)
@@ -274,8 +292,9 @@ async def _respond(
             async for out in _answer(state, served, answer, request, stored):
                 yield out
     finally:
-        if req.store and session.response is None:  # never stored whole: as if never made
-            await _discard(state, session)
+        for own in made:  # failed before `using` took it (which removes it otherwise)
+            if own.response is None and not own.deleted:
+                await _discard(state, own)
 
 
 async def _open(
@@ -284,18 +303,18 @@ async def _open(
     parent: Session | None,
     rid: str,
     req: ResponseCreateRequest,
+    made: list[Session],
 ) -> Session:
-    """The session the new response is stored as (in the table, not yet on disk): a fork of
-    the previous response, or a new one."""
+    """The session the new response is stored as (in the table, not yet on disk, added to
+    `made` the moment it exists): a fork of the previous response, or a new one."""
     if parent is not None:
-        return await _open_fork(state, served, parent, rid)
+        return await _open_fork(state, served, parent, rid, made)
     policy = auto_compact_policy(req.auto_compact, served)
     try:
-        session = await asyncio.to_thread(state.sessions.create, served.name, rid)
+        session = state.sessions.create(served.name, rid, fresh=True)
     except SessionError as e:
         raise session_error(e, "input") from None
-    except MirrorError as e:
-        raise tier_error(e) from None
+    made.append(session)
     session.auto_compact = policy
     return session
 
@@ -448,26 +467,57 @@ async def compact_response(req: ResponseCompactRequest, state: State) -> dict[st
             param="input",
         )
     rid = _new_id("resp")
+    parent = None
     if previous is not None:
         parent = await _stored(state, previous, "previous_response_id")
         if parent.model != served.name:
             raise APIError(
                 400, f"response {previous!r} belongs to model {parent.model!r}", param="model"
             )
-        session = await _open_fork(state, served, parent, rid)
-    else:
-        session = await _prefilled(state, served, turn, rid)
     chosen = req.model_dump(include=set(CompactOptions.model_fields))
     options = CompactRequest.model_validate(chosen)
     if req.target_tokens is None:
         options.ratio = req.ratio or DEFAULT_COMPACT_RATIO
+    made: list[Session] = []
+    try:
+        if parent is not None:
+            instructions = _instructions(parent)
+            if req.instructions not in (None, instructions):
+                raise APIError(
+                    400,
+                    "a compaction of a stored response keeps its instructions (they are in "
+                    "its cache): send new ones with the next POST /v1/responses",
+                    param="instructions",
+                )
+            session = await _open_fork(state, served, parent, rid, made)
+        else:
+            session = await _prefilled(state, served, turn, rid, made)
+            instructions = req.instructions
+        body = _compaction_body(rid, served.name, previous, instructions, session)
+        async with state.compactions.slot():
+            session.response = body
+            report = await unstoppable(compact(state, served, session, options))
+    except BaseException:  # not compacted: as if never made
+        for own in made:
+            if not own.deleted:
+                await _discard(state, own)
+        raise
+    return {**body, "compaction": report}
+
+
+def _compaction_body(
+    rid: str, model: str, previous: str | None, instructions: str | None, session: Session
+) -> dict[str, Any]:
+    """OpenAI's compacted response: its id (and the compaction item's content) is the stored
+    response to continue from."""
     before = 0 if session.cache is None else session.cache.lengths[0]
-    body = {
+    return {
         "id": rid,
         "object": "response.compaction",
         "created_at": int(time.time()),
-        "model": served.name,
+        "model": model,
         "previous_response_id": previous,
+        "instructions": instructions,  # the conversation's, in its cache
         "output": [
             {
                 "id": _new_id("cmp"),
@@ -485,46 +535,40 @@ async def compact_response(req: ResponseCompactRequest, state: State) -> dict[st
             "total_tokens": before,
         },
     }
-    try:
-        async with state.compactions.slot():
-            session.response = body
-            report = await unstoppable(compact(state, served, session, options))
-    except BaseException:  # not compacted: as if never made
-        await _discard(state, session)
-        raise
-    return {**body, "compaction": report}
 
 
-async def _open_fork(state: ServerState, served: ServedModel, parent: Session, rid: str) -> Session:
+async def _open_fork(
+    state: ServerState, served: ServedModel, parent: Session, rid: str, made: list[Session]
+) -> Session:
+    """A fork of `parent` (under its lock), added to `made` the moment it exists: a request
+    cancelled while it gives the parent's lock back still discards it."""
     try:
         async with locked(state.sessions, parent, state.settings.session_lock_wait):
             await load_cache(state, served, parent)
-            return state.sessions.fork(parent, rid)
+            made.append(state.sessions.fork(parent, rid))
+            return made[-1]
     except SessionError as e:
         raise session_error(e, "previous_response_id") from None
     except MirrorError as e:
         raise tier_error(e) from None
 
 
-async def _prefilled(state: ServerState, served: ServedModel, turn: Turn, rid: str) -> Session:
+async def _prefilled(
+    state: ServerState, served: ServedModel, turn: Turn, rid: str, made: list[Session]
+) -> Session:
     """A new session holding the input conversation (up to the end of its last answer, where
-    the next turn continues)."""
+    the next turn continues), added to `made` the moment it exists."""
     ids = prompt_text(served, turn)
     store = state.sessions
     try:
         store.check_room(len(ids) * bytes_per_token(served))
-        session = await asyncio.to_thread(store.create, served.name, rid)
+        session = store.create(served.name, rid, fresh=True)
     except SessionError as e:
         raise session_error(e, "input") from None
-    except MirrorError as e:
-        raise tier_error(e) from None
-    try:
-        async with locked(store, session, state.settings.session_lock_wait):
-            cache = await asyncio.to_thread(
-                model_work.prefill, served.model, ids, served.thread.run, served.thread.has_requests
-            )
-            session.rewrite(cache, ids)
-    except BaseException:
-        await _discard(state, session)
-        raise
+    made.append(session)
+    async with locked(store, session, state.settings.session_lock_wait):
+        cache = await asyncio.to_thread(
+            model_work.prefill, served.model, ids, served.thread.run, served.thread.has_requests
+        )
+        session.rewrite(cache, ids)
     return session

@@ -190,16 +190,21 @@ async def spill(store: SessionStore) -> None:
     await asyncio.to_thread(store.enforce_limit)
 
 
+async def drop(store: SessionStore, session: Session) -> None:
+    """Delete a session from memory, disk and the shared tier (hold its lock and lease); one
+    never committed is dropped from the table too."""
+    store.forget(session)
+    try:
+        await asyncio.to_thread(store.delete, session)
+    except MirrorError as e:
+        raise tier_error(e) from None
+
+
 async def remove(store: SessionStore, session: Session, wait: float) -> None:
-    """Delete a session from memory, disk and the shared tier, under its lock (one never
-    committed is dropped from the table too), finished even if the request is cancelled."""
+    """`drop` under the session's lock, finished even if the request is cancelled."""
 
     async def delete() -> None:
         async with locked(store, session, wait):
-            store.forget(session)
-            try:
-                await asyncio.to_thread(store.delete, session)
-            except MirrorError as e:
-                raise tier_error(e) from None
+            await drop(store, session)
 
     await unstoppable(delete())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +39,7 @@ from server.session_access import (
     acquire,
     bytes_per_token,
     catch_up,
+    drop,
     find,
     load_cache,
     locked,
@@ -57,21 +58,30 @@ log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
-async def using(state: ServerState, served: ServedModel, session: Session) -> AsyncIterator[None]:
+async def using(
+    state: ServerState,
+    served: ServedModel,
+    session: Session,
+    keep: Callable[[], bool] = lambda: True,
+) -> AsyncIterator[None]:
     """Hold the session's lock while a completion continues it (409 if it stays busy). On the
     way out, whatever happened (an answer, an abort, a cancelled request), what the engine
     appended is committed and only then is the lock released, shielded from cancellation: the
-    lock never goes while a write of the session is still running."""
+    lock never goes while a write of the session is still running. A session `keep()` then
+    refuses (a response that was never finished) is removed instead, under the same lock:
+    never written, so a crash cannot leave it behind."""
     await acquire(state.sessions, session, state.settings.session_lock_wait)
 
     async def finish() -> None:
+        kept = keep()
         try:
-            await persist(state.sessions, session)
+            await (persist if kept else drop)(state.sessions, session)
         except APIError as e:  # the answer already said so, or was never asked for
             log.warning("session %s not stored: %s", session.id, e.message)
         finally:
             await release(state.sessions, session)
-        after_append(state, served, session)
+        if kept:
+            after_append(state, served, session)
         await spill(state.sessions)
 
     try:

@@ -115,7 +115,11 @@ def cluster(tmp_path, tiny_llama_dir):
             nginx_dir = tmp_path / "nginx"
             nginx_dir.mkdir()
             with running_nginx(nginx_dir, replicas) as front:
-                yield front, {a[0]: (a[1], tmp_path / "a"), b[0]: (b[1], tmp_path / "b")}
+                yield (
+                    front,
+                    {a[0]: (a[1], tmp_path / "a"), b[0]: (b[1], tmp_path / "b")},
+                    redis_url,
+                )
 
 
 def _peek(url: str, sid: str) -> httpx.Response:
@@ -127,7 +131,7 @@ def _peek(url: str, sid: str) -> httpx.Response:
 
 
 def test_a_session_outlives_the_replica_that_held_it(cluster):
-    front, replicas = cluster
+    front, replicas, _ = cluster
     sid = "doc-1"
     created = httpx.post(
         f"{front}/v1/sessions",
@@ -162,7 +166,7 @@ def test_a_session_outlives_the_replica_that_held_it(cluster):
 
 
 def test_two_replicas_never_change_one_session_at_once(cluster):
-    _, replicas = cluster
+    _, replicas, _ = cluster
     sid = "shared-1"
     a, b = list(replicas)
     body = {"model": "tiny", "prompt": " More:", "max_tokens": 40, "temperature": 0}
@@ -294,9 +298,10 @@ def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
 def test_a_response_is_continued_and_compacted_on_other_replicas(cluster):
     """Responses are sessions in the shared tier: one replica continues what another stored,
     from its cache (no earlier turn prefilled again), and compacts it for a third request."""
+    import redis
     from openai import OpenAI
 
-    _, replicas = cluster
+    _, replicas, redis_url = cluster
     a, b = (OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) for url in replicas)
     answer = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
     first = a.responses.create(input=CONTEXT, **answer)
@@ -310,3 +315,11 @@ def test_a_response_is_continued_and_compacted_on_other_replicas(cluster):
     assert a.responses.retrieve(third.id).output_text == third.output_text
     (_, folder_a), (_, folder_b) = replicas.values()
     assert (folder_b / third.id).is_dir() and (folder_a / third.id).is_dir()  # fetched by a
+    # A turn refused after its fork was made is never written, here or in the tier (a
+    # delete would leave a tombstone there).
+    refused = httpx.post(
+        f"{list(replicas)[1]}/v1/responses",
+        json={**answer, "input": "x", "previous_response_id": third.id, "max_output_tokens": 10**6},
+    )
+    assert refused.status_code == 400, refused.text
+    assert not redis.Redis.from_url(redis_url).keys("*:gone")

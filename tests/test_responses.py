@@ -281,17 +281,72 @@ def test_a_new_turn_is_the_real_template_s_rest_of_the_conversation(smollm2_dir,
         chat_template=tok.chat_template,
         tokenizer=tok,
         encode=lambda text: tok.encode(text, add_special_tokens=False),
+        eos_token_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>")}),
     )
     first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital?"}]
     answer = "Paris is the capital of France."
-    prompt = first_prompt(served, Turn(first))
+    prompt = first_prompt(served, Turn(first[1:], "Be brief."))
     answer_ids = tok.encode(answer, add_special_tokens=False)
     if stopped == "at the end of its turn":
         cached, next_input = prompt + answer_ids, tok.convert_tokens_to_ids("<|im_end|>")
     else:
         cached, next_input = prompt + answer_ids[:-1], answer_ids[-1]
     new = [{"role": "user", "content": "And of Spain?"}]
-    fed = [next_input, *continuation_ids(served, Turn(new), next_input)]
+    fed = [next_input, *continuation_ids(served, Turn(new), next_input, None)]
     whole = [*first, {"role": "assistant", "content": answer}, *new]
     text = tok.apply_chat_template(whole, add_generation_prompt=True, tokenize=False)
     assert cached + fed == tok.encode(text, add_special_tokens=False)
+
+
+def test_the_same_instructions_are_not_fed_again_and_new_ones_are(client, base):
+    first = client.responses.create(input="Hi", instructions="Be brief.", **ANSWER)
+    same = client.responses.create(
+        input="Again", instructions="Be brief.", previous_response_id=first.id, **ANSWER
+    )
+    turn = len(b"\n<user>Again\n<assistant>")
+    fed = same.usage.input_tokens - same.usage.input_tokens_details.cached_tokens
+    assert fed == 1 + turn and same.instructions == "Be brief."
+    # None: the conversation's instructions stay in effect (and the record says which).
+    quiet = client.responses.create(input="Again", previous_response_id=same.id, **ANSWER)
+    assert quiet.instructions == "Be brief."
+    other = client.responses.create(
+        input="Again", instructions="Be long.", previous_response_id=quiet.id, **ANSWER
+    )
+    fed = other.usage.input_tokens - other.usage.input_tokens_details.cached_tokens
+    assert fed == 1 + len(b"\n<system>Be long.\n<user>Again\n<assistant>")
+
+
+def test_disk_use_counts_the_files_a_conversation_shares_once(client, base, store):
+    """Each response links its previous one's segment files: the store's disk use (its gauge
+    and quota) is the bytes of the distinct files, not the sum over responses."""
+    last = client.responses.create(input="One", **ANSWER)
+    for word in ("Two", "Three", "Four"):
+        last = client.responses.create(input=word, previous_response_id=last.id, **ANSWER)
+    files: dict[int, int] = {}
+    for path in store.glob("*/kv-*.safetensors"):
+        files[path.stat().st_ino] = path.stat().st_size
+    linked = sum(1 for path in store.glob("*/kv-*.safetensors") if path.stat().st_nlink > 1)
+    assert linked >= 6  # the chain's first segments are named by several responses
+    metrics = httpx.get(f"{base}/metrics").text
+    (gauge,) = re.findall(r"^cdlm_serve:session_disk_bytes (\S+)$", metrics, re.M)
+    assert float(gauge) == sum(files.values())
+
+
+def test_a_cut_answer_s_last_token_is_kept_even_where_it_looks_like_the_turn_s_end(tmp_path):
+    """The tiny template ends a turn with a newline, which is no end-of-text token: an answer
+    cut at max_output_tokens on a newline keeps it, and the template's own newline follows."""
+    from types import SimpleNamespace
+
+    from server.response_input import Turn, continuation_ids
+    from tiny_models import EOS_ID, byte_tokenizer
+
+    tok = byte_tokenizer()
+    served = SimpleNamespace(
+        name="tiny",
+        chat_template=tok.chat_template,
+        tokenizer=tok,
+        encode=lambda text: tok.encode(text, add_special_tokens=False),
+        eos_token_ids=frozenset({EOS_ID}),
+    )
+    turn = Turn([{"role": "user", "content": "Q"}])
+    assert continuation_ids(served, turn, ord("\n"), None) == list(b"\n<user>Q\n<assistant>")
