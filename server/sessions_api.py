@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine import model_work
+from engine import heap, model_work
 from engine.auto_compaction import AutoCompact
 from engine.served_model import ServedModel
 from engine.session import Session, SessionError
@@ -289,6 +289,7 @@ async def delete_session(sid: str, state: State) -> dict[str, Any]:
                 await asyncio.to_thread(store.delete, session)
             except MirrorError as e:
                 raise tier_error(e) from None
+        heap.freed(session.nbytes())  # its cache goes with the last reference, just after
 
     await unstoppable(remove())
     return {"id": sid, "object": "session.deleted", "deleted": True}
