@@ -108,7 +108,7 @@ class HeapTrimmer:
     """Calls malloc_trim(0) every `every_s` seconds, and `soon_s` after a big free is
     reported; counts its trims and the RSS they gave back."""
 
-    every_s: float = 10.0
+    every_s: float = 60.0
     soon_s: float = 1.0  # a reported free waits this long: the frees around it come too
     big_bytes: int = 32 << 20  # frees reported below this wait for the periodic trim
     libc: ctypes.CDLL | None = field(default_factory=_glibc)

@@ -178,7 +178,7 @@ FLAGS = (
         "limits",
         "on CPU with glibc, give freed heap memory back to the OS (malloc_trim) this often, "
         "and a second after a big free; 0 = never (docs/deploy.md: memory)",
-        "10",
+        "60",
         float,
     ),
     Flag(

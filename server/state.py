@@ -42,7 +42,7 @@ class ServerSettings:
     max_batch: int = 8  # sequences decoded together per model
     prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
     prefix_cache_bytes: int = 512 << 20  # per AR model (automatic prefix caching); 0: off
-    heap_trim_seconds: float = 10.0  # malloc_trim period on CPU (engine.heap); 0: off
+    heap_trim_seconds: float = 60.0  # malloc_trim period on CPU (engine.heap); 0: off
     quantize: str | None = None  # "int8": Q8_0 weights (models/quantize.py)
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions

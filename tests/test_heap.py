@@ -113,3 +113,40 @@ def test_the_real_glibc_sees_a_block_allocated_and_freed():
     assert trimmer.in_use_bytes() - before < 32 << 20
     trimmer.trim()
     assert trimmer.trims == 1
+
+
+def test_freed_reaches_the_running_trimmer_only():
+    libc = FakeLibc()
+    trimmer = heap.HeapTrimmer(every_s=3600, soon_s=0, libc=libc)
+    heap.freed(1 << 40)  # none running: nothing to wake
+    trimmer.start()
+    try:
+        heap.freed(trimmer.big_bytes)
+        assert libc.trimmed.wait(30), "heap.freed did not reach the running trimmer"
+    finally:
+        trimmer.stop()
+    assert heap._running is None
+
+
+def test_an_idle_ar_engine_reports_the_batch_cache_it_drops(tmp_path, monkeypatch):
+    """The grown batch cache of a long prompt is released once idle, and said to be freed
+    (with its size), so the trimmer gives the memory back."""
+    import tiny_models
+    from engine.ar_engine import AREngine
+    from engine.sampling import SamplingParams
+    from models.loading import load_model
+
+    tiny_models.hf_tiny("llama", tmp_path)
+    model, _ = load_model(tmp_path)
+    engine = AREngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+    reported: list[int] = []
+    monkeypatch.setattr(heap, "freed", reported.append)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    grown: list[int] = []
+    sequence = engine.new_sequence("long", list(range(300)), greedy)  # past the first size
+    engine.add(sequence)
+    while engine.has_work():
+        if engine.cache is not None:
+            grown.append(engine.cache.allocated_bytes())
+        engine.step()
+    assert engine.cache is None and reported == [grown[-1]] and grown[-1] > 0
