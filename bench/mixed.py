@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -224,7 +225,7 @@ class RssSampler(threading.Thread):
         self.pid, self.every, self.phase = pid, every, "start"
         self.samples: list[dict] = []
         self.started_at = time.perf_counter()
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not _stop: Thread.join calls its own _stop
 
     def sample(self) -> float:
         mb = round(rss_mb(self.pid), 1)
@@ -233,11 +234,11 @@ class RssSampler(threading.Thread):
         return mb
 
     def run(self) -> None:
-        while not self._stop.wait(self.every):
+        while not self._halt.wait(self.every):
             self.sample()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -285,32 +286,46 @@ def _print(result: dict) -> None:
         print(f"{k:<32}{v}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags bench.mixed and bench.soak share: which server, its models, where it logs."""
     p.add_argument("--ar-model", default=DEFAULT_AR_MODEL)
     p.add_argument("--dlm-model", default=DEFAULT_DLM_MODEL)
-    p.add_argument("--phase-seconds", type=float, default=40)
-    p.add_argument("--mix-seconds", type=float, default=90)
     p.add_argument("--session-tokens", type=int, default=1500)
     p.add_argument("--checkout", type=Path, default=Path.cwd(), help="whose server to run")
     p.add_argument("--server-args", default="", help="extra cdlm-serve flags, one string")
     p.add_argument("--json", type=Path)
-    p.add_argument("--phases", default=",".join(PHASES), help="which phases, comma-separated")
-    p.add_argument("--warmup-seconds", type=float, default=20, help="the mix, not counted")
     p.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server.log goes")
-    args = p.parse_args(argv)
 
+
+def start_server(
+    args: argparse.Namespace, sessions_dir: Path, log_name: str
+) -> tuple[Soak, subprocess.Popen]:
+    """Start `args.checkout`'s server on both models (sessions in `sessions_dir`) and return
+    the clients for it with the process; the caller stops it (bench.load.stop)."""
     session_ids = austen_ids(args.ar_model, args.session_tokens)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
+    cmd += ["--model", args.ar_model, "--model", args.dlm_model]
+    cmd += ["--sessions-dir", str(sessions_dir), "--log-level", "warning"]
+    cmd += args.server_args.split()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    server = start(cmd, url, args.logs / log_name, cwd=args.checkout)
+    return Soak(url, args.ar_model, args.dlm_model, session_ids), server
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_args(p)
+    p.add_argument("--phase-seconds", type=float, default=40)
+    p.add_argument("--mix-seconds", type=float, default=90)
+    p.add_argument("--phases", default=",".join(PHASES), help="which phases, comma-separated")
+    p.add_argument("--warmup-seconds", type=float, default=20, help="the mix, not counted")
+    args = p.parse_args(argv)
+
     with tempfile.TemporaryDirectory() as scratch:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
-        cmd += ["--model", args.ar_model, "--model", args.dlm_model, "--sessions-dir", scratch]
-        cmd += ["--log-level", "warning", *args.server_args.split()]
-        args.logs.mkdir(parents=True, exist_ok=True)
-        server = start(cmd, url, args.logs / "bench_mixed_server.log", cwd=args.checkout)
+        soak, server = start_server(args, Path(scratch), "bench_mixed_server.log")
         try:
-            soak = Soak(url, args.ar_model, args.dlm_model, session_ids)
             # Warm-up, not counted: every path runs, caches and allocator pools reach their size.
             asyncio.run(soak.phase(tuple(PHASES["mix"]), args.warmup_seconds))
             sampler = RssSampler(server.pid)

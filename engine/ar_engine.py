@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from engine import limits
+from engine import heap, limits
 from engine.interface import EngineOutput, TokenLogprob
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
@@ -332,4 +332,5 @@ class AREngine(ScheduledEngine[ARSequence]):
         if self.cache.biases is not None and not any(s.compacted for s in self.running):
             self.cache.biases = None  # the other rows' biases are all zero: exact
         if not self.scheduler.has_work() and self.cache.capacity > INITIAL_SLOTS:
+            heap.freed(self.cache.allocated_bytes())  # on CPU, glibc keeps it unless trimmed
             self.cache = None

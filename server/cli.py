@@ -174,6 +174,22 @@ FLAGS = (
         int,
     ),
     Flag(
+        "--heap-trim-seconds",
+        "limits",
+        "on CPU with glibc, give freed heap memory back to the OS (malloc_trim) this often, "
+        "and a second after a big free; 0 = never (docs/deploy.md: memory)",
+        "60",
+        float,
+    ),
+    Flag(
+        "--malloc-arenas",
+        "limits",
+        "on glibc, at most this many malloc arenas (glibc's own default, 8 per core, keeps "
+        "each thread's peak: RSS creeps); 0 = glibc's default (docs/deploy.md: memory)",
+        "2",
+        int,
+    ),
+    Flag(
         "--sessions-dir",
         "sessions",
         "where sessions are stored (default $CDLM_SERVE_HOME/sessions)",
@@ -269,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from engine.heap import limit_arenas
     from server.app import create_app
     from server.state import ServerSettings
 
@@ -286,6 +303,11 @@ def serve(args: argparse.Namespace) -> None:
     ):
         if value <= 0:
             sys.exit(f"cdlm-serve: {flag} must be > 0")
+    if args.malloc_arenas < 0:
+        sys.exit("cdlm-serve: --malloc-arenas must be >= 0 (0 = glibc's default)")
+    limit_arenas(args.malloc_arenas)  # now: before uvicorn, the engines and OpenMP start threads
+    if args.heap_trim_seconds < 0:
+        sys.exit("cdlm-serve: --heap-trim-seconds must be >= 0 (0 = never)")
     if args.prefix_cache_mb < 0:
         sys.exit("cdlm-serve: --prefix-cache-mb must be >= 0 (0 keeps nothing)")
     if args.sessions_disk_gb < 0:
@@ -300,6 +322,7 @@ def serve(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         prefill_tokens=args.prefill_tokens_per_step,
         prefix_cache_bytes=0 if args.no_prefix_caching else args.prefix_cache_mb << 20,
+        heap_trim_seconds=args.heap_trim_seconds,
         quantize=args.quantize,
         api_key=args.api_key,
         sessions_dir=args.sessions_dir,

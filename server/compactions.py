@@ -9,6 +9,7 @@ import logging
 import math
 from typing import Any
 
+from engine import heap
 from engine.compaction_options import resolve_key_queries
 from engine.kv_compaction import compact_row
 from engine.served_model import ServedModel
@@ -168,7 +169,9 @@ async def _run(
     session.compactions.append(body)
     # The reference pass grew it to ~2x the context; it now holds t + recent (a copy of what
     # is left, off the event loop).
+    grown = cache.allocated_bytes()
     await asyncio.to_thread(cache.trim)
+    heap.freed(grown - cache.allocated_bytes())
     session.rewrite(cache, codes=report.codes)
     await persist(state.sessions, session)
     state.metrics.compaction_seconds.labels(method).observe(report.seconds["total"])

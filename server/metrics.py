@@ -22,6 +22,8 @@ from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.heap import HeapTrimmer
+
 PREFIX = "cdlm_serve:"
 # Buckets as vLLM's (seconds), so the same dashboards read the same ranges.
 # fmt: off
@@ -221,6 +223,12 @@ class Metrics:
         bytes or 0 for none), at scrape time."""
         self.registry.register(_SessionGauges(read))
 
+    def add_heap_metrics(self, heap: HeapTrimmer) -> None:
+        """What malloc holds in use, and what the trims gave back (glibc only: elsewhere
+        there is nothing to read)."""
+        if heap.libc is not None:
+            self.registry.register(_HeapMetrics(heap))
+
     def render(self) -> bytes:
         return _generate_latest(self.registry)
 
@@ -294,4 +302,27 @@ class _SessionGauges(Collector):
             PREFIX + "session_disk_quota_bytes",
             "The session store's disk quota in bytes (0: no quota).",
             quota,
+        )
+
+
+class _HeapMetrics(Collector):
+    def __init__(self, heap: HeapTrimmer):
+        self.heap = heap
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(
+            PREFIX + "heap_in_use_bytes",
+            "Bytes the process holds through malloc (glibc's mallinfo2: arenas and mmapped "
+            "blocks); RSS above it is freed memory the allocator keeps, or not malloc's.",
+            self.heap.in_use_bytes(),
+        )
+        yield CounterMetricFamily(
+            PREFIX + "heap_trims",
+            "malloc_trim calls made to give freed heap memory back (--heap-trim-seconds).",
+            self.heap.trims,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "heap_trim_released_bytes",
+            "Resident bytes the malloc_trim calls gave back to the OS, summed.",
+            self.heap.released_bytes,
         )

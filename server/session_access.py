@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+from engine import heap
 from engine.served_model import ServedModel
 from engine.session import Session, SessionError, check_id
 from engine.session_mirror import MirrorError, SessionConflict
@@ -193,11 +194,13 @@ async def spill(store: SessionStore) -> None:
 async def drop(store: SessionStore, session: Session) -> None:
     """Delete a session from memory, disk and the shared tier (hold its lock and lease); one
     never committed is dropped from the table too."""
+    freed = session.nbytes()
     store.forget(session)
     try:
         await asyncio.to_thread(store.delete, session)
     except MirrorError as e:
         raise tier_error(e) from None
+    heap.freed(freed)  # its cache goes with the last reference, just after
 
 
 async def remove(store: SessionStore, session: Session, wait: float) -> None:

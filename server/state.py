@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 
 from engine.ar_engine import AREngine
 from engine.core_share import CoreShare
+from engine.heap import HeapTrimmer
 from engine.served_model import ServedModel, load_served_model
 from engine.session_store import SessionStore
 from server.compaction_thread import Compactions
@@ -41,6 +42,7 @@ class ServerSettings:
     max_batch: int = 8  # sequences decoded together per model
     prefill_tokens: int | None = None  # prompt tokens per step (chunked prefill); None: auto
     prefix_cache_bytes: int = 512 << 20  # per AR model (automatic prefix caching); 0: off
+    heap_trim_seconds: float = 60.0  # malloc_trim period on CPU (engine.heap); 0: off
     quantize: str | None = None  # "int8": Q8_0 weights (models/quantize.py)
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
@@ -70,15 +72,21 @@ class ServerState:
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
+    heap: HeapTrimmer = field(init=False)
 
     def __post_init__(self) -> None:
         self.compactions = Compactions(self.cores)
+        # Only CPU tensors live in glibc's heap: on CUDA the trims would find little to give.
+        cpu = self.settings.device.type == "cpu"
+        self.heap = HeapTrimmer(every_s=self.settings.heap_trim_seconds if cpu else 0.0)
+        self.metrics.add_heap_metrics(self.heap)
 
     def load_all(self) -> None:
         log.info(
             "loading %d model(s); /health answers 503 until they are ready",
             len(self.settings.models),
         )
+        self.heap.start()  # loading frees its conversion buffers: trimmed too
         try:
             for spec in self.settings.models:
                 s = self.settings
@@ -153,6 +161,7 @@ class ServerState:
             served.thread.shutdown(timeout=60)
         self.compactions.shutdown()
         self.sessions.persist_all()
+        self.heap.stop()
 
 
 def current_state(request: Request) -> ServerState:

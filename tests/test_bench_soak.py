@@ -1,0 +1,56 @@
+"""bench/soak.py's reading of /metrics and its verdict; bench/mixed.py's RSS sampler stops."""
+
+from __future__ import annotations
+
+import os
+
+from bench import soak
+from bench.mixed import RssSampler
+
+METRICS = """\
+# TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes 1.5e+09
+# TYPE cdlm_serve:kv_cache_bytes gauge
+cdlm_serve:kv_cache_bytes{model_name="a"} 1048576.0
+cdlm_serve:kv_cache_bytes{model_name="b"} 2097152.0
+# TYPE cdlm_serve:session_disk_bytes gauge
+cdlm_serve:session_disk_bytes 9e+09
+# TYPE cdlm_serve:heap_trim_released_bytes_total counter
+cdlm_serve:heap_trim_released_bytes_total 5e+08
+# TYPE cdlm_serve:sessions gauge
+cdlm_serve:sessions 3.0
+"""
+
+
+def test_server_bytes_sums_each_gauge_over_models_and_skips_the_rest():
+    # Disk is not memory, a counter is not a level, and a count is not bytes.
+    assert soak.server_bytes(METRICS) == {"kv_cache_mb": 3.0}
+
+
+def _samples(rss: list[float]) -> list[dict]:
+    rows = [{"t_s": 0.0, "phase": "start", "rss_mb": 1000.0}]
+    rows += [{"t_s": 10.0 * (i + 1), "phase": "load", "rss_mb": r} for i, r in enumerate(rss)]
+    return [*rows, {"t_s": 10.0 * (len(rss) + 1), "phase": "idle", "rss_mb": 900.0}]
+
+
+def test_growth_counts_from_the_settled_sample_to_the_last_under_load():
+    # Settled at 30 s (1,500 MB), last under load 1,530 MB: +2%, not counted from the fresh
+    # 1,000 MB nor to the idle sample.
+    v = soak.verdict(_samples([1200, 1400, 1500, 1600, 1530]), settle_s=30, errors=0)
+    assert (v["rss_settled_mb"], v["rss_end_mb"], v["rss_max_mb"]) == (1500, 1530, 1600)
+    assert v["growth_after_settle_pct"] == 2.0 and not v["goal_met"]
+    assert v["rss_idle_after_mb"] == 900
+
+
+def test_the_goal_needs_no_errors_too():
+    flat = _samples([1500, 1500, 1510])
+    assert soak.verdict(flat, settle_s=10, errors=0)["goal_met"]
+    assert not soak.verdict(flat, settle_s=10, errors=1)["goal_met"]
+
+
+def test_the_rss_sampler_stops_and_joins():
+    sampler = RssSampler(os.getpid(), every=0.01)
+    sampler.start()
+    sampler.stop()
+    sampler.join(timeout=10)  # its stop event once shadowed Thread._stop: join raised
+    assert not sampler.is_alive()
