@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from engine.session_mirror import SessionMirror, stamp
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+FETCH_STRIPES = 64
 
 
 class SessionStore:
@@ -55,7 +57,9 @@ class SessionStore:
     ):
         root.mkdir(parents=True, exist_ok=True)
         self.mirror = mirror  # the shared tier (engine.session_mirror), if any
-        self._fetching: dict[str, threading.Lock] = {}  # per session: one fetch at a time
+        # One fetch of a session at a time: a lock per stripe of ids, a fixed number of them
+        # (a lock per id would grow with every id ever fetched, every response's).
+        self._fetching = [threading.Lock() for _ in range(FETCH_STRIPES)]
         self.root = root.resolve()
         self.max_bytes = max_bytes  # caches kept in memory
         self.max_sessions = max_sessions
@@ -186,8 +190,7 @@ class SessionStore:
                 return self._sessions[sid]
 
     def _fetch_lock(self, sid: str) -> threading.Lock:
-        with self._lock:
-            return self._fetching.setdefault(sid, threading.Lock())
+        return self._fetching[zlib.crc32(sid.encode()) % FETCH_STRIPES]
 
     # ---- the shared tier ---------------------------------------------------------------------
     def take_lease(self, sid: str, wait: float) -> bool:
