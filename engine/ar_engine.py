@@ -88,8 +88,10 @@ class AREngine(ScheduledEngine[ARSequence]):
         prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
-        # Automatic prefix caching (engine.prefix_cache); None turns it off.
-        self.prefix_cache = prefix_cache
+        # Automatic prefix caching (engine.prefix_cache); None turns it off. Off for models
+        # with sliding-window layers: it keeps blocks of global slots, not the ring a block's
+        # window needs (`models.window_cache`).
+        self.prefix_cache = None if model.config.local_layers else prefix_cache
         self.runner = ModelRunner(model)
         self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer

@@ -122,7 +122,7 @@ class ModelRunner:
         cache.ensure_capacity(max(max(slots) + 1, max(attend)))
         device, d = model.device, model.config.head_dim
         cos, sin = model.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
-        x = model.embed_tokens(torch.tensor(list(ids), device=device))  # [T, hidden]
+        x = model.embed(torch.tensor(list(ids), device=device))  # [T, hidden]
         hidden: Tensor = stack.forward(  # the fused kernels' extension: untyped
             x,
             cache.keys,

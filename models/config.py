@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "dream", "llada"]
+Family = Literal["llama", "qwen2", "qwen3", "gemma3", "dream", "llada"]
+Activation = Literal["silu", "gelu_tanh"]
 WeightFormat = Literal["hf", "llada"]
 
 # Families whose checkpoints are masked-diffusion LMs (served by the DLM engine).
@@ -53,6 +54,32 @@ class ModelConfig:
     dlm_block_size: int | None = None
     dlm_threshold: float | None = None
     weight_format: WeightFormat = "hf"
+    # Gemma-style switches (all off for the other families).
+    hidden_act: Activation = "silu"  # the MLP gate's activation: act(gate) * up
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    # Norms after attention and after the MLP too ("sandwich"), not only before them.
+    sandwich_norms: bool = False
+    # The checkpoint's norm weights w mean a scale of (norm_offset + w): Gemma's 1 + w.
+    norm_offset: float = 0.0
+    # query_pre_attn_scalar ** -0.5 where a family sets it; else head_dim ** -0.5.
+    attention_scale: float | None = None
+    # Sliding-window attention: a layer whose layer_types entry is "sliding_attention" sees
+    # the last `sliding_window` positions only (itself included), with its own RoPE base.
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    rope_local_theta: float | None = None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether a layer attends within the sliding window (its cache bounded by it)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def local_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_local(i)]
+
+    @property
+    def global_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_local(i)]
 
     @property
     def is_diffusion(self) -> bool:
@@ -83,9 +110,16 @@ class ModelConfig:
             return _hf_layout_config(raw, "dream")
         if model_type in ("llama", "qwen2", "qwen3"):
             return _hf_layout_config(raw, model_type)  # type: ignore[arg-type]
+        if model_type == "gemma3_text":
+            return _gemma3_config(raw)
+        if model_type == "gemma3":
+            raise ConfigError(
+                "Gemma 3 multimodal checkpoints are not supported: serve a text-only Gemma 3 "
+                "(model_type gemma3_text, e.g. gemma-3-270m or gemma-3-1b)"
+            )
         raise ConfigError(
             f"unsupported model_type {model_type!r} (architectures {archs}); supported: "
-            "llama, qwen2, qwen3, Dream, llada"
+            "llama, qwen2, qwen3, gemma3_text, Dream, llada"
         )
 
 
@@ -204,4 +238,80 @@ def _llada_config(raw: dict[str, Any]) -> ModelConfig:
         dlm_block_size=raw.get("cdlm_block_size"),
         dlm_threshold=raw.get("cdlm_threshold"),
         weight_format="llada",
+    )
+
+
+# Gemma's end of turn: its instruct releases end an answer there, before <eos>.
+GEMMA_END_OF_TURN = 106
+GEMMA_SLIDING_PATTERN = 6  # every 6th layer is global in configs that list no layer_types
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(global theta, global scaling, local theta) from the v5 layout (`rope_parameters` per
+    layer type) or the v4 one (`rope_theta`, `rope_scaling`, `rope_local_base_freq`)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        theta, scaling = _rope({"rope_parameters": full}, 1_000_000.0)
+        local_theta, local_scaling = _rope({"rope_parameters": local}, 10_000.0)
+    else:
+        theta, scaling = _rope(raw, 1_000_000.0)
+        local_theta = float(raw.get("rope_local_base_freq", 10_000.0))
+        local_scaling = None
+    if local_scaling is not None:
+        raise ConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    return theta, scaling, local_theta
+
+
+def _gemma3_config(raw: dict[str, Any]) -> ModelConfig:
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(cap) is not None:
+            raise ConfigError(f"Gemma logit soft-capping ({cap}) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma 3 with bidirectional attention is not supported")
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % GEMMA_SLIDING_PATTERN == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"Gemma 3 layer_types must list {layers} full/sliding_attention")
+    act = str(raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"unsupported Gemma activation {act!r} (gelu_pytorch_tanh only)")
+    theta, scaling, local_theta = _gemma3_rope(raw)
+    window = raw.get("sliding_window")
+    if "sliding_attention" in types and (window is None or int(window) < 1):
+        raise ConfigError("Gemma 3 sliding-window layers need sliding_window >= 1")
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or 256),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=True,
+        bos_token_id=raw.get("bos_token_id", 2),
+        eos_token_ids=_with_turn_end(_eos_list(raw.get("eos_token_id", 1)), GEMMA_END_OF_TURN, raw),
+        pad_token_id=raw.get("pad_token_id", 0),
+        hidden_act="gelu_tanh",
+        embed_scale=True,
+        sandwich_norms=True,
+        norm_offset=1.0,
+        attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_window=int(window) if window is not None else None,
+        layer_types=list(types),
+        rope_local_theta=local_theta,
     )

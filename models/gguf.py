@@ -2,7 +2,8 @@
 
 Weights are dequantized with the `gguf` package. llama.cpp's converter permutes the q/k rows of
 Llama-architecture models into its interleaved RoPE layout; we undo that so the weights match
-the "rotate half" layout of the HF release.
+the "rotate half" layout of the HF release. For Gemma 3 it stores every norm weight as 1 + w
+(Gemma's norms scale by 1 + w); we take the 1 back off, so the weights are the HF release's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ SUPPORTED_ARCHS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# What llama.cpp hard-codes for Gemma 3 rather than storing (its llama-model.cpp): every 6th
+# layer is global, the sliding-window layers rotate with base 10K.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,6 +46,13 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3's four norms per block: llama.cpp's ffn_norm is its pre-feedforward norm.
+_GEMMA3_BLOCK = {
+    **_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -87,7 +100,31 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    if arch == "gemma3":
+        cfg |= _gemma3_fields(cfg, int(key("attention.sliding_window", 4096)))
     return cfg
+
+
+def _gemma3_fields(cfg: dict[str, Any], window: int) -> dict[str, Any]:
+    """What an HF Gemma3TextConfig holds beyond the Llama-shaped fields."""
+    layers = cfg["num_hidden_layers"]
+    head_dim = cfg["head_dim"]
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        # llama.cpp: 27B scales queries by (hidden / heads) ** -0.5, the others by head_dim's.
+        "query_pre_attn_scalar": hidden // heads if (hidden, heads) == (5376, 32) else head_dim,
+        "sliding_window": window,
+        "layer_types": [
+            "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+            for i in range(layers)
+        ],
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    }
 
 
 def _f32(value: float) -> float:
@@ -95,13 +132,14 @@ def _f32(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, gemma: bool = False) -> str:
     if name in _TOP:
         return _TOP[name]
+    block = _GEMMA3_BLOCK if gemma else _BLOCK
     m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK:
+    if m is None or m.group(2) not in block:
         raise GGUFError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -114,6 +152,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor [out, in]) for every tensor, dequantized."""
     permute = cfg["model_type"] == "llama"
+    gemma = cfg["model_type"] == "gemma3_text"
     for t in reader.tensors:
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             arr = np.asarray(t.data, dtype=np.float32)
@@ -121,7 +160,9 @@ def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str,
             arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy/torch want [out, in].
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, gemma)
+        if gemma and name.endswith("norm.weight"):
+            arr = arr - 1.0  # llama.cpp stored 1 + w
         if permute and name.endswith("self_attn.q_proj.weight"):
             arr = _unpermute(arr, cfg["num_attention_heads"])
         elif permute and name.endswith("self_attn.k_proj.weight"):

@@ -14,6 +14,11 @@ Physical slots and logical positions are tracked apart: `logical[b]` is the RoPE
 next token of row b gets. They differ once a prefix is replaced by a compacted segment
 (Attention Matching): t slots then stand for T > t tokens, and each compacted slot carries an
 additive attention bias (beta) per KV head, kept in `biases`.
+
+A model with sliding-window layers (Gemma 3) keeps only its global layers here; its window
+layers live in `window` (`models.window_cache`), ring buffers indexed by logical position that
+never grow with the sequence. Slot-wise edits (a compacted prefix, a segment of slots) apply
+to the global layers alone; row-wise ones (copies, moves, resets) to both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from models.window_cache import WindowCache
 
 
 @dataclass(slots=True)
@@ -32,6 +39,8 @@ class KVCache:
     logical: list[int]  # logical length per row (RoPE position of the next token)
     # Per layer [B, Hkv, S] fp32 additive key bias; None until a compacted segment exists.
     biases: list[Tensor] | None = None
+    # The sliding-window layers' ring buffers (a model with such layers), else None.
+    window: WindowCache | None = None
 
     @classmethod
     def allocate(
@@ -80,19 +89,23 @@ class KVCache:
         if self.biases is not None:
             per_slot += self.biases[0].shape[1] * self.biases[0].element_size() * self.num_layers
         rows = self.lengths if row is None else [self.lengths[row]]
-        return per_slot * sum(rows)
+        ring = 0 if self.window is None else self.window.allocated_bytes() // self.batch
+        return per_slot * sum(rows) + ring * len(rows)
 
     def allocated_bytes(self) -> int:
         """Bytes the buffers take, every row and every slot of capacity: what memory really
         holds (`nbytes` counts the committed slots only)."""
         buffers = [*self.keys, *self.values, *(self.biases or [])]
-        return sum(t.numel() * t.element_size() for t in buffers)
+        ring = 0 if self.window is None else self.window.allocated_bytes()
+        return sum(t.numel() * t.element_size() for t in buffers) + ring
 
     def trim(self) -> None:
         """Shrink every layer's buffers to the longest row's committed slots (at least one):
         gives back what forwards grew them to for scratch slots, e.g. a compaction's reference
         pass, which runs the whole context again on this cache. Views of the old buffers
         (`rows`) keep the old storage."""
+        if self.window is not None:
+            self.window.trim(self.logical)
         capacity = max(1, *self.lengths)
         if capacity >= self.capacity:
             return
@@ -185,11 +198,15 @@ class KVCache:
             lengths=self.lengths[start:stop],
             logical=self.logical[start:stop],
             biases=None if self.biases is None else [b[start:stop] for b in self.biases],
+            window=None if self.window is None else self.window.rows(start, stop),
         )
 
     def merge_view(self, view: KVCache, start: int = 0) -> None:
         """Take back the lengths a `rows(start, ...)` view advanced."""
-        if view.keys[0].data_ptr() != self.keys[0][start].data_ptr():
+        grew = view.keys[0].data_ptr() != self.keys[0][start].data_ptr()
+        if self.window is not None and view.window is not None:
+            grew |= view.window.keys[0].data_ptr() != self.window.keys[0][start].data_ptr()
+        if grew:
             raise ValueError("the view grew its own buffers; grow the parent cache first")
         self.lengths[start : start + view.batch] = view.lengths
         self.logical[start : start + view.batch] = view.logical
@@ -203,7 +220,10 @@ class KVCache:
         biases = None
         if self.biases is not None:
             biases = [b[row : row + 1, :, :cap].clone() for b in self.biases]
-        return KVCache(keys, values, [n], [self.logical[row]], biases)
+        window = None
+        if self.window is not None:
+            window = self.window.extract_row(row, self.logical[row])
+        return KVCache(keys, values, [n], [self.logical[row]], biases, window)
 
     def load_row(self, row: int, src: KVCache, src_row: int = 0) -> None:
         """Copy another cache's row (committed slots, lengths, biases) into `row`."""
@@ -221,6 +241,10 @@ class KVCache:
                 self.biases[layer][row] = 0
                 if src.biases is not None:
                     self.biases[layer][row, :, :n] = src.biases[layer][src_row, :, :n]
+        if self.window is not None and src.window is not None:
+            self.window.load_row(row, src.window, src_row, src.logical[src_row])
+        elif (self.window is None) != (src.window is None):
+            raise ValueError("copying a row between caches with and without window layers")
         self.lengths[row] = n
         self.logical[row] = src.logical[src_row]
 
@@ -231,6 +255,8 @@ class KVCache:
         for buffers in (self.keys, self.values, self.biases or []):
             for buf in buffers:
                 buf[dst, :, :n] = buf[src, :, :n]
+        if self.window is not None:
+            self.window.move_row(src, dst)
         self.lengths[dst] = n
         self.logical[dst] = self.logical[src]
 
@@ -242,6 +268,10 @@ class KVCache:
         if length > self.lengths[row]:
             raise ValueError("reset can only shorten a row")
         dropped = self.lengths[row] - length
+        ring = self.window
+        if ring is not None and length > 0 and dropped > ring.ring - ring.window:
+            # The window of the new end was overwritten: its positions are gone.
+            raise ValueError("a sliding-window cache cannot go back past its ring")
         self.lengths[row] = length
         self.logical[row] = 0 if length == 0 else self.logical[row] - dropped
         if self.biases is not None:

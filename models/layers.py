@@ -83,12 +83,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, local: bool = False):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        # A sliding-window layer: its keys live in the cache's ring (`KVCache.window`) and its
+        # mask is the window's (`Transformer` passes it).
+        self.local = local
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         kw = {"device": device, "dtype": dtype}
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias, **kw)
@@ -185,6 +188,9 @@ class Attention(nn.Module):
         """Keys and values to attend to, [B, Hkv, K, D], and their bias [B, Hkv, K] or None."""
         if cache is None:
             return k, v, None
+        if self.local:
+            assert cache.window is not None  # a model with window layers allocates one
+            return (*cache.window.write(layer, k, v, cache.logical), None)  # the whole ring
         k, v = cache.write(layer, k, v)  # committed slots + these tokens
         return k, v, cache.key_bias(layer, mask.key_len)
 
@@ -245,18 +251,27 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, **kw)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, **kw)
+        self.act = cfg.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [..., 2I]
+        if self.act == "silu":
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.attn = Attention(cfg, device, dtype)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, device, dtype, local=cfg.is_local(layer))
+        self.mlp_norm = norm()
         self.mlp = MLP(cfg, device, dtype)
+        # Gemma's sandwich: the attention's and the MLP's outputs normed before their adds.
+        self.attn_post_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_post_norm = norm() if cfg.sandwich_norms else None
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, capture=None
@@ -287,7 +302,7 @@ class Block(nn.Module):
         q, k, v = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
         yield q
         h = yield from self.attn.attend(q, k, v, mask, cache, layer, pace)
-        h, residual = self.mlp_norm.add_forward(h, residual)
+        h, residual = self.mlp_norm.add_forward(self._post(self.attn_post_norm, h), residual)
         outs = []
         start = 0
         while start < h.shape[1]:  # per token: any split is exact
@@ -295,7 +310,7 @@ class Block(nn.Module):
             stop = start + pace.mlp_tokens()
             outs.append(self.mlp(h[:, start:stop]))
             start = stop
-        return torch.cat(outs, dim=1), residual
+        return self._post(self.mlp_post_norm, torch.cat(outs, dim=1)), residual
 
     def _attention_input(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         if residual is None:
@@ -303,8 +318,12 @@ class Block(nn.Module):
         return self.attn_norm.add_forward(x, residual)
 
     def _after_attention(self, h: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        h, residual = self.mlp_norm.add_forward(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.mlp_norm.add_forward(self._post(self.attn_post_norm, h), residual)
+        return self._post(self.mlp_post_norm, self.mlp(h)), residual
+
+    @staticmethod
+    def _post(norm: RMSNorm | None, h: Tensor) -> Tensor:
+        return h if norm is None else norm(h)
 
 
 def _flash_rule(q: Tensor, mask: AttentionMask) -> tuple[Callable, Callable, int | None] | None:

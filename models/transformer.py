@@ -21,6 +21,10 @@ from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import Block, Linear, Pace, RMSNorm
 from models.rope import RotaryTable, inverse_frequencies
+from models.window_cache import WindowCache
+
+# (cos, sin) of the new tokens: [Q, 1, D] (one range for the whole batch) or [B, Q, 1, D].
+Rope = tuple[Tensor, Tensor]
 
 # Per-layer query lists: capture[layer] receives each forward's post-RoPE queries [B, H, Q, D].
 QueryCapture = list[list[Tensor]]
@@ -37,7 +41,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
         )
-        self.layers = nn.ModuleList(Block(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, device, dtype, layer) for layer in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = (
             None
@@ -46,6 +52,17 @@ class Transformer(nn.Module):
         )
         self._inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._rotary: RotaryTable | None = None
+        # Sliding-window layers rotate with their own base (Gemma 3: 10K where global is 1M).
+        self._inv_freq_local = inverse_frequencies(
+            cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None
+        )
+        self._rotary_local: RotaryTable | None = None
+        # Layer i's index among the cache's global layers (`KVCache.keys`) or, for a
+        # sliding-window layer, among its window layers (`KVCache.window`).
+        local, glob = cfg.local_layers, cfg.global_layers
+        self.cache_index = [
+            local.index(i) if cfg.is_local(i) else glob.index(i) for i in range(cfg.num_layers)
+        ]
 
     # ---- helpers ---------------------------------------------------------------------------
     @property
@@ -56,13 +73,26 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def rotary(self, capacity: int) -> RotaryTable:
-        table = self._rotary
+    def rotary(self, capacity: int, local: bool = False) -> RotaryTable:
+        table = self._rotary_local if local else self._rotary
         if table is None or table.cos.device != self.device or table.dtype != self.dtype:
             size = max(capacity, self.config.max_position_embeddings)
-            table = self._rotary = RotaryTable(self._inv_freq, size, self.device, self.dtype)
+            inv_freq = self._inv_freq_local if local else self._inv_freq
+            table = RotaryTable(inv_freq, size, self.device, self.dtype)
+            if local:
+                self._rotary_local = table
+            else:
+                self._rotary = table
         table.ensure(capacity)
         return table
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """ids [...] -> embeddings [..., hidden] (Gemma's scaled by sqrt(hidden), rounded to
+        the model's dtype first as its reference does)."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def rope_fp32(self, start: int, length: int) -> tuple[Tensor, Tensor]:
         """fp32 cos/sin [length, D] on the CPU of positions [start, start + length), whatever
@@ -73,9 +103,16 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.config
-        return KVCache.allocate(
-            cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, self.device, self.dtype
+        heads = (cfg.num_kv_heads, cfg.head_dim)
+        cache = KVCache.allocate(
+            len(cfg.global_layers), batch, *heads, capacity, self.device, self.dtype
         )
+        if cfg.local_layers:
+            assert cfg.sliding_window is not None  # the config checks it
+            cache.window = WindowCache.allocate(
+                len(cfg.local_layers), batch, *heads, cfg.sliding_window, self.device, self.dtype
+            )
+        return cache
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(
@@ -110,23 +147,62 @@ class Transformer(nn.Module):
             return out
         batch, q_len = input_ids.shape
         if cache is not None:
-            cache.ensure_capacity(max(cache.lengths) + q_len)
+            self._ensure(cache, q_len)
         explicit_positions = positions
         cos, sin, positions = self._rope_for(batch, q_len, positions, cache, valid)
         mask = self._mask(pattern, positions, cache, valid, explicit_positions is None)
-        x = self.embed_tokens(input_ids)  # [B, Q, hidden]
+        local = self._local_parts(positions, mask, cache, explicit_positions is not None)
+        x = self.embed(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):
+            (c, s), m = local if block.attn.local else ((cos, sin), mask)
             x, residual = block(
-                x, residual, cos, sin, mask, cache, i, None if capture is None else capture[i]
-            )
+                x, residual, c, s, m, cache, self.cache_index[i],
+                None if capture is None else capture[i],
+            )  # fmt: skip
         return self._finish(x, residual, cache, commit, q_len, batch, valid)
+
+    @staticmethod
+    def _ensure(cache: KVCache, q_len: int) -> None:
+        """Room for q_len more tokens on every row (the global slots and the window ring)."""
+        cache.ensure_capacity(max(cache.lengths) + q_len)
+        if cache.window is not None:
+            cache.window.ensure(q_len, cache.logical)
+
+    def _local_parts(
+        self, positions: Tensor, mask: AttentionMask, cache: KVCache | None, explicit: bool
+    ) -> tuple[Rope, AttentionMask] | None:
+        """The sliding-window layers' RoPE (their own base) and mask: the new tokens see the
+        positions within the window up to their own, in the ring (`models.window_cache`) or,
+        without a cache, among themselves under the pattern's mask. None for a model without
+        such layers."""
+        window = self.config.sliding_window
+        if not self.config.local_layers or window is None:
+            return None
+        q_len = positions.shape[1]
+        # The table's bound from the host where it is known (no device read on a GPU).
+        bound = int(positions.max()) + 1 if explicit else max(cache.logical if cache else [0])
+        rope = self.rotary(bound + (0 if explicit else q_len), local=True).lookup(positions)
+        if cache is None:
+            base = mask.rows(0, q_len, q_len, positions.device).visible
+            near = positions[:, None, :] > positions[:, :, None] - window  # [B, Q, K=Q]
+            visible = near[:, None] if base is None else base & near[:, None]
+            return rope, AttentionMask(visible, False, q_len)
+        if explicit or mask.band is not None or mask.reread is not None:
+            # The ring holds each row's positions from its logical length on: tokens at other
+            # positions (a diffusion block, a re-read) would need keys it no longer has.
+            raise NotImplementedError("sliding-window layers run new tokens at their positions")
+        assert cache.window is not None
+        visible = cache.window.mask(positions, cache.logical, q_len)  # [B, 1, Q, R]
+        return rope, AttentionMask(visible, False, cache.window.ring)
 
     @staticmethod
     def _rows_view(cache: KVCache, rows: tuple[int, int], q_len: int) -> KVCache:
         """Rows [start, stop) of a cache as a cache of their own (same storage), grown first
         so that q_len more tokens fit (a view that grew would get buffers of its own)."""
         cache.ensure_capacity(max(cache.lengths[rows[0] : rows[1]]) + q_len)
+        if cache.window is not None:
+            cache.window.ensure(q_len, cache.logical)
         return cache.rows(*rows)
 
     def forward_stages(
@@ -163,7 +239,7 @@ class Transformer(nn.Module):
             return out
         batch, q_len = input_ids.shape
         if cache is not None:
-            cache.ensure_capacity(max(cache.lengths) + q_len)
+            self._ensure(cache, q_len)
         if reread is not None:
             if cache is None or batch != 1 or band is not None:
                 raise ValueError("reread needs a one-row cache and no band")
@@ -177,7 +253,9 @@ class Transformer(nn.Module):
             cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
             mask = self._mask(None, positions, cache, None, True)
             mask.band = band
-        x = self.embed_tokens(input_ids)  # [B, Q, hidden]
+        if self.config.local_layers:
+            raise NotImplementedError("staged forwards of sliding-window models")
+        x = self.embed(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):
             x, residual = yield from block.stages(x, residual, cos, sin, mask, cache, i, pace)

@@ -49,6 +49,14 @@ _NATIVE_PLAIN = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "mlp_norm",
 }
+# Gemma's four norms per block: its post_attention_layernorm comes after attention (before the
+# residual add), where Llama's is the MLP's pre-norm.
+_NATIVE_PLAIN_SANDWICH = {
+    **{k: v for k, v in _NATIVE_PLAIN.items() if k != "post_attention_layernorm"},
+    "post_attention_layernorm": "attn_post_norm",
+    "pre_feedforward_layernorm": "mlp_norm",
+    "post_feedforward_layernorm": "mlp_post_norm",
+}
 _FUSED = {
     "attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -94,9 +102,25 @@ def to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     return llada_to_canonical(sd) if cfg.weight_format == "llada" else sd
 
 
+def _plain_names(cfg: ModelConfig) -> dict[str, str]:
+    return _NATIVE_PLAIN_SANDWICH if cfg.sandwich_norms else _NATIVE_PLAIN
+
+
+def _shift_norms(sd: dict[str, Tensor], offset: float) -> dict[str, Tensor]:
+    """Norm weights w of a family whose norms scale by (offset + w) (Gemma's 1 + w) become
+    the plain scales our norms multiply by (and back, with -offset). In fp32: a bf16 1 + w
+    would round w's small values away."""
+    if offset == 0.0:
+        return sd
+    return {
+        k: (v.float() + offset).to(v.dtype) if k.endswith("norm.weight") else v
+        for k, v in sd.items()
+    }
+
+
 def canonical_to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Rename and fuse; raises KeyError naming any tensor that is missing or left over."""
-    src = dict(sd)
+    src = _shift_norms(dict(sd), cfg.norm_offset)
     out: dict[str, Tensor] = {}
 
     def take(name: str) -> Tensor:
@@ -113,7 +137,7 @@ def canonical_to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
-        for canon, native in _NATIVE_PLAIN.items():
+        for canon, native in _plain_names(cfg).items():
             for kind in ("weight", "bias"):
                 if pre + f"{canon}.{kind}" in src:
                     out[f"layers.{i}.{native}.{kind}"] = take(pre + f"{canon}.{kind}")
@@ -145,7 +169,7 @@ def native_to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     }
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
-        for canon, native in _NATIVE_PLAIN.items():
+        for canon, native in _plain_names(cfg).items():
             for kind in ("weight", "bias"):
                 if pre + f"{native}.{kind}" in sd:
                     out[f"model.layers.{i}.{canon}.{kind}"] = sd[pre + f"{native}.{kind}"]
@@ -156,7 +180,7 @@ def native_to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
                 pieces = sd[pre + f"{native}.{kind}"].split(split_sizes[native], dim=0)
                 for part, piece in zip(parts, pieces, strict=True):
                     out[f"model.layers.{i}.{part}.{kind}"] = piece.contiguous()
-    return out
+    return _shift_norms(out, -cfg.norm_offset)
 
 
 def to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:

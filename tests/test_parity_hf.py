@@ -23,6 +23,8 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-mha": ("qwen3", {"num_key_value_heads": 4}),
+    "gemma3": ("gemma3", {}),
+    "gemma3-tied-mha": ("gemma3", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
 }
 
 

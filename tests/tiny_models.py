@@ -14,6 +14,19 @@ VOCAB = 300  # 256 byte tokens + specials (ids 256..259) + spare ids (a padded e
 __all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "VOCAB", "byte_tokenizer"]
 
 
+# Gemma 3's switches at tiny sizes: a window of 8 (the tests' sequences run far past it), a
+# global layer between two sliding ones, a query scale and local RoPE base of its own.
+GEMMA3_TINY = {
+    "head_dim": 16,
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 20,
+    "rope_theta": 20000.0,
+    "rope_local_base_freq": 500.0,
+}
+
+
 def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> None:
     """Random init leaves norms at 1 and biases at 0; make every tensor matter."""
     gen = torch.Generator().manual_seed(seed)
@@ -23,14 +36,15 @@ def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> None:
 
 
 def hf_tiny(kind: str, folder: Path, **overrides) -> torch.nn.Module:
-    """Save a tiny transformers model (llama | qwen2 | qwen3) with random weights to `folder`
-    and return it (eval mode, fp32)."""
+    """Save a tiny transformers model (llama | qwen2 | qwen3 | gemma3) with random weights to
+    `folder` and return it (eval mode, fp32)."""
     import transformers as tf
 
     classes = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     kwargs = {
@@ -48,6 +62,8 @@ def hf_tiny(kind: str, folder: Path, **overrides) -> torch.nn.Module:
     }
     if kind == "qwen3":
         kwargs["head_dim"] = 16
+    if kind == "gemma3":
+        kwargs |= GEMMA3_TINY
     kwargs.update(overrides)
     torch.manual_seed(0)
     model = model_cls(config_cls(**kwargs)).eval()

@@ -276,13 +276,26 @@ def pack_q8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor] | None:
     return packed, packed_scales
 
 
+def _llama_shaped(cfg: Any) -> bool:
+    """Whether a config is the block the fused step implements: pre-norm only, SwiGLU,
+    plain embeddings and scale, every layer global."""
+    return (
+        cfg.hidden_act == "silu"
+        and not (cfg.sandwich_norms or cfg.embed_scale or cfg.local_layers)
+        and cfg.attention_scale is None
+    )
+
+
 def decode_stack(model: Any) -> Any | None:
     """The model's layers as one fused C++ decode step (`DecodeStack`), or None where the
-    kernels do not apply (GPU, fp32, head_dim not a multiple of 32, training). Built once per
+    kernels do not apply (GPU, fp32, head_dim not a multiple of 32, training, a family the
+    step does not implement: Gemma's sandwich norms, GELU, sliding windows). Built once per
     model and kept on it; rebuilt if its weights are replaced."""
     cfg = model.config
     weight = model.embed_tokens.weight
     if not (_fast(weight) and cfg.head_dim % 32 == 0) or weight.requires_grad:
+        return None
+    if not _llama_shaped(cfg):
         return None
     cached = _built_stack(model)
     if cached is not None:

@@ -1,0 +1,183 @@
+"""Gemma 3 (sliding-window layers, sandwich norms, GELU, scaled embeddings) on tiny random
+checkpoints: its cache, its engine runs and its GGUF, against transformers' Gemma3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models
+from engine.ar_engine import AREngine
+from engine.prefix_cache import PrefixCache
+from engine.sampling import SamplingParams
+from models.loading import load_model
+
+WINDOW = tiny_models.GEMMA3_TINY["sliding_window"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    hf = tiny_models.hf_tiny("gemma3", folder)
+    ours, _ = load_model(folder, dtype=torch.float32)
+    return hf, ours
+
+
+def _ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_window_layers_see_only_their_window(pair):
+    """The model is Gemma's, window included: changing a token further back than the window
+    changes the next token's logits only through the global layer."""
+    hf, ours = pair
+    ids = _ids(40, 1)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours.logits(ours(ids))
+    assert (ref - got).abs().max().item() <= 1e-4
+    assert ours.config.local_layers == [0, 2] and ours.cache_index == [0, 0, 1]
+
+
+@pytest.mark.parametrize("chunk", [5, 11, 40])
+def test_chunked_prefill_matches_one_forward_and_the_ring_stays_bounded(pair, chunk):
+    hf, ours = pair
+    ids = _ids(90, 2, batch=2)
+    cache = ours.new_cache(batch=2, capacity=8)
+    outs = []
+    with torch.no_grad():
+        ref = hf(ids).logits
+        for start in range(0, 90, chunk):
+            outs.append(ours.logits(ours(ids[:, start : start + chunk], cache=cache)))
+            # A forward of Q tokens needs window + Q - 1 slots (the ring doubles up to that).
+            assert cache.window.ring <= max(2 * (WINDOW + chunk - 1), 2 * WINDOW)
+        assert cache.lengths == [90, 90] and cache.logical == [90, 90]
+        cache.trim()
+        assert cache.window.ring == WINDOW  # back to the window, positions kept
+        outs.append(ours.logits(ours(torch.tensor([[5], [6]]), cache=cache)))
+        ref_next = hf(torch.cat([ids, torch.tensor([[5], [6]])], dim=1)).logits[:, -1:]
+    assert (torch.cat(outs[:-1], dim=1) - ref).abs().max().item() <= 1e-4
+    assert (outs[-1] - ref_next).abs().max().item() <= 1e-4
+
+
+def test_rows_copied_between_caches_keep_their_window(pair):
+    """extract_row / load_row / move_row carry the ring's positions (relaid out for another
+    ring size): a row continued elsewhere gives the same logits."""
+    _, ours = pair
+    ids = _ids(30, 3, batch=2)
+    with torch.no_grad():
+        cache = ours.new_cache(batch=2, capacity=8)
+        ours(ids, cache=cache)  # the ring grew to hold 30 new tokens
+        row = cache.extract_row(1)
+        assert row.window.ring == WINDOW and row.logical == [30]
+        other = ours.new_cache(batch=3, capacity=4)
+        other.load_row(2, row)
+        other.move_row(2, 0)
+        nxt = torch.tensor([[9]])
+        want = ours.logits(ours(nxt, cache=row))
+        got = ours.logits(ours(nxt, cache=other, rows=(0, 1)))
+    assert (want - got).abs().max().item() <= 1e-5
+
+
+def _run(engine: AREngine, prompt: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [t for out in engine.generate(prompt, params) for t in out.token_ids]
+
+
+def test_engine_batches_like_transformers_generate(pair):
+    """Continuous batching with prompts prefilled in chunks (6 tokens a step), requests
+    joining mid-run, rows longer than the window: every answer equals transformers' greedy
+    generate. The prefix cache is off for window models (it stores global slots only)."""
+    hf, ours = pair
+    tok = tiny_models.byte_tokenizer()
+    engine = AREngine(
+        ours, tok, 256, max_batch=2, prefill_tokens=6, prefix_cache=PrefixCache(1 << 20)
+    )
+    assert engine.prefix_cache is None
+    reqs = [(list(range(60, 80)), 12), ([65, 66, 67], 15), (list(range(100, 113)), 9)]
+    want = []
+    with torch.no_grad():
+        for prompt, n in reqs:
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                pad_token_id=tiny_models.PAD_ID,
+            )  # fmt: skip
+            want.append(out[0, len(prompt) :].tolist())
+    assert _run(engine, *reqs[0]) == want[0]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in reqs]
+    seqs = [engine.new_sequence(f"r{i}", p, params[i]) for i, (p, _) in enumerate(reqs)]
+    got: dict[str, list[int]] = {}
+    for seq in seqs:
+        engine.add(seq)  # the third waits for a row
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [got[f"r{i}"] for i in range(3)] == want
+
+
+def _write_gemma3_gguf(path: Path, hf_model) -> None:
+    """A GGUF as llama.cpp's converter writes Gemma 3 (written independently here): its
+    tensor names, norm weights stored as 1 + w, no q/k permutation (NeoX RoPE)."""
+    from gguf import GGUFWriter
+
+    cfg = hf_model.config
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(tiny_models.BOS_ID)
+    w.add_eos_token_id(tiny_models.EOS_ID)
+    names = {
+        "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+        "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up", "down_proj": "ffn_down", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    }  # fmt: skip
+    for name, t in hf_model.state_dict().items():
+        arr = t.float().numpy()
+        parts = name.split(".")
+        if name == "lm_head.weight":
+            continue  # tied
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            gname = f"blk.{parts[2]}.{names[parts[-2]]}.weight"
+        if gname.endswith("norm.weight"):
+            arr = (arr + 1.0).astype(np.float32)
+        w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_gemma3_loads_as_transformers_reads_it(tmp_path):
+    """llama.cpp hard-codes Gemma 3's layer pattern (every 6th global) and local RoPE base
+    (10K): a 6-layer tiny model with those, written as llama.cpp writes it, loads exactly."""
+    hf = tiny_models.hf_tiny(
+        "gemma3", tmp_path / "hf", num_hidden_layers=6, layer_types=None,
+        rope_local_base_freq=10000.0, query_pre_attn_scalar=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    _write_gemma3_gguf(tmp_path / "g.gguf", hf)
+    ours, ckpt = load_model(tmp_path / "g.gguf")
+    cfg = ckpt.config
+    assert cfg.family == "gemma3" and cfg.sliding_window == WINDOW
+    assert cfg.local_layers == [0, 1, 2, 3, 4] and cfg.attention_scale == 16**-0.5
+    ids = _ids(40, 4)
+    with torch.no_grad():
+        assert (hf(ids).logits - ours.logits(ours(ids))).abs().max().item() <= 1e-4
