@@ -22,6 +22,9 @@ from models.kv_cache import KVCache
 from models.transformer import Transformer
 
 CHUNK_TOKENS = 512
+# Free slots a prefilled session's cache gets past its tokens: its next turn's first tokens
+# fit without growing (copying) every layer's buffers.
+PREFILL_HEADROOM = 64
 # While other requests of the model decode, a session's prefill goes in chunks this long: the
 # AR engine's own chunked-prefill size on CPUs (`FUSED_PREFILL_TOKENS`), ~0.1-0.2 s a chunk on
 # SmolLM2 against a few thousand cached tokens instead of ~0.5-1 s.
@@ -48,7 +51,7 @@ def prefill(
     """A fresh batch-1 cache holding `ids`, prefilled one chunk per piece of work: of
     CHUNK_TOKENS tokens, or URGENT_CHUNK_TOKENS while `urgent()` says the model's requests are
     waiting for the pieces (a chunk is that long a pause in their decoding)."""
-    cache = model.new_cache(1, len(ids) + 64)
+    cache = model.new_cache(1, len(ids) + PREFILL_HEADROOM)
 
     # Grad and inference modes are per thread: each piece says its own. Not inference_mode:
     # the session keeps this cache and later writes to it (compaction).
@@ -61,6 +64,8 @@ def prefill(
         chunk = ids[start : start + (URGENT_CHUNK_TOKENS if urgent() else CHUNK_TOKENS)]
         on_engine(functools.partial(run, chunk))
         start += len(chunk)
+    if cache.window is not None:
+        cache.window.trim(cache.logical)  # the chunks grew the ring: back to the window
     return cache
 
 

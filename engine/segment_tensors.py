@@ -1,7 +1,10 @@
 """A KV segment as named tensors: slots of a batch-1 cache, every layer, as the tensors a
 segment file (or the shared tier's copy) holds (`segment_tensors`), and consecutive segments'
 tensors back into a cache (`cache_from_parts`). Ragged layers (non-uniform budgets' masked
-padding) hold only their visible slots; int8 codes (`engine.kv_quant`) are kept as codes."""
+padding) hold only their visible slots; int8 codes (`engine.kv_quant`) are kept as codes.
+A model's sliding-window layers (`models.window_cache`) are not slots: the segment that ends
+at the cache's last slot also holds their ring, as its positions in order (`wk.<l>`, `wv.<l>`,
+the window in `window`); an earlier segment's copy is stale and ignored."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 from engine import ragged
 from engine.kv_quant import QuantizedSegment
 from models.kv_cache import KVCache
+from models.window_cache import WindowCache
 
 
 def segment_tensors(
@@ -40,6 +44,11 @@ def segment_tensors(
                 part = ragged.squeeze(part, visible)  # [sum, ...]
                 tensors[f"m.{layer}"] = visible
         tensors |= {f"{name}.{layer}": t.contiguous() for name, t in part.items()}
+    if cache.window is not None and end == cache.lengths[0]:
+        keys, values = cache.window.ordered(0, cache.logical[0])  # per layer [Hkv, n, D]
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            tensors[f"wk.{layer}"], tensors[f"wv.{layer}"] = k.contiguous(), v.contiguous()
+        tensors["window"] = torch.tensor([cache.window.window])
     return tensors
 
 
@@ -86,7 +95,23 @@ def cache_from_parts(
     keys = [join("k", i, dtype) for i in range(layers)]
     values = [join("v", i, dtype) for i in range(layers)]
     biases = [join("b", i, torch.float32) for i in range(layers)] if has_bias else None
-    return KVCache(keys, values, [length], [logical], biases), codes
+    window = _window(parts, logical, device, dtype)
+    return KVCache(keys, values, [length], [logical], biases, window), codes
+
+
+def _window(
+    parts: list[dict[str, torch.Tensor]], logical: int, device: torch.device, dtype: torch.dtype
+) -> WindowCache | None:
+    """The sliding-window layers' ring the last segment holds (None for a model without)."""
+    last = next((p for p in reversed(parts) if "window" in p), None)
+    if last is None:
+        return None
+    count = sum(1 for name in last if name.startswith("wk."))
+
+    def load(name: str) -> list[torch.Tensor]:
+        return [last[f"{name}.{i}"].to(device=device, dtype=dtype) for i in range(count)]
+
+    return WindowCache.from_ordered(load("wk"), load("wv"), int(last["window"][0]), logical)
 
 
 def _unragged(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

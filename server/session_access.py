@@ -64,8 +64,9 @@ def model_for(state: ServerState, session: Session) -> ServedModel:
 
 def bytes_per_token(served: ServedModel) -> int:
     cfg = served.config
+    # Global layers only: sliding-window layers hold a ring of fixed size, not a slot a token.
     return KVCache.bytes_per_slot(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, served.model.dtype
+        len(cfg.global_layers), cfg.num_kv_heads, cfg.head_dim, served.model.dtype
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 import tiny_models
 from engine.ar_engine import AREngine
+from engine.model_work import PREFILL_HEADROOM
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from models.loading import load_model
@@ -181,3 +182,51 @@ def test_gguf_gemma3_loads_as_transformers_reads_it(tmp_path):
     ids = _ids(40, 4)
     with torch.no_grad():
         assert (hf(ids).logits - ours.logits(ours(ids))).abs().max().item() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def long_gemma_dir(tmp_path_factory):
+    """The tiny Gemma 3 with room for an 8K-token session."""
+    folder = tmp_path_factory.mktemp("gemma3-long")
+    tiny_models.hf_tiny("gemma3", folder, max_position_embeddings=16384)
+    return folder
+
+
+def test_an_8k_session_holds_window_sized_rings_through_http_and_a_restart(
+    long_gemma_dir, tmp_path
+):
+    """A session of 8K tokens over real HTTP: its global layer holds a slot per token, its
+    sliding-window layers a window each (the bytes say so exactly); it continues exactly as
+    the whole prompt would, in memory and after a restart (its ring read back from the
+    segment file); compaction is refused with a clear 400."""
+    import httpx
+
+    from conftest import tiny_session_server
+
+    cfg = tiny_models.GEMMA3_TINY
+    kv = 2 * 2 * cfg["head_dim"] * 4  # K and V, 2 KV heads, fp32: bytes per slot and layer
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(8000))  # 8,000 byte tokens
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+
+    def complete(base: str, **extra) -> str:
+        r = httpx.post(f"{base}/v1/completions", json=body | extra, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with tiny_session_server(long_gemma_dir, tmp_path) as base:
+        r = httpx.post(
+            f"{base}/v1/sessions", json={"model": "tiny", "id": "long", "prompt": text},
+            timeout=300,
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        info = r.json()
+        assert info["tokens"] == info["physical_tokens"] == 8000
+        # One global layer's 8,000 slots (and the prefill's headroom), two window layers' 8
+        # slots each: nothing more.
+        assert info["bytes"] == (8000 + PREFILL_HEADROOM) * kv + 2 * WINDOW * kv
+        whole = complete(base, prompt=text + "Q:")
+        assert complete(base, prompt="Q:", session_id="long", append=False) == whole
+        r = httpx.post(f"{base}/v1/sessions/long/compact", json={"ratio": 4}, timeout=60)
+        assert r.status_code == 400 and "sliding-window" in r.json()["error"]["message"]
+    with tiny_session_server(long_gemma_dir, tmp_path) as base:
+        assert complete(base, prompt="Q:", session_id="long", append=False) == whole
