@@ -60,6 +60,16 @@ class ServedModel:
     chat_template: str | None = None  # the tokenizer's, if it has one (else no chat route)
     # Compaction budgets measured for this model (engine/budget_schedules/), if any shipped.
     budget_schedule: list[list[float]] | None = None
+    # The token a text starting a sequence begins with, where the tokenizer adds one (Gemma's
+    # <bos>: without it the model's outputs fall apart); None where it adds none (SmolLM2).
+    bos_id: int | None = None
+
+    def sequence_start(self, ids: list[int]) -> list[int]:
+        """`ids` as the start of a sequence: the tokenizer's BOS first where it adds one (as
+        vLLM tokenizes a completion's prompt), unless the text already began with it."""
+        if self.bos_id is None or not ids or ids[:1] == [self.bos_id]:
+            return ids
+        return [self.bos_id, *ids]
 
     @property
     def is_diffusion(self) -> bool:
@@ -184,4 +194,14 @@ def load_served_model(
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
         chat_template=getattr(tokenizer, "chat_template", None),  # tokenizers without one
         budget_schedule=compaction_budgets.load_schedule(spec, ckpt.config),
+        bos_id=None if ckpt.config.is_diffusion else _added_bos(tokenizer),
     )
+
+
+def _added_bos(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer puts before a text of its own accord, if it does."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return int(bos) if ids[:1] == [bos] else None

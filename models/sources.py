@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from models.fetch import SMOLLM2, WheelModel, ensure_model
+from models.fetch import GEMMA3_270M, SMOLLM2, WheelModel, ensure_model
 
 DEFAULT_AR_MODEL = SMOLLM2.name
 
@@ -18,6 +18,8 @@ DEFAULT_AR_MODEL = SMOLLM2.name
 BUILTIN: dict[str, WheelModel] = {
     SMOLLM2.name: SMOLLM2,
     "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2,
+    GEMMA3_270M.name: GEMMA3_270M,
+    "google/gemma-3-270m": GEMMA3_270M,
 }
 
 # Models trained by this project (train/) and shipped inside the repository: the CDLM student

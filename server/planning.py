@@ -82,9 +82,10 @@ def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
         raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
 
 
-def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
+def prompt_ids(served: ServedModel, prompt: Any, start: bool = True) -> list[tuple[list[int], str]]:
     """Each prompt of a request (string, list of strings, token ids, list of id lists) as
-    (token ids, text)."""
+    (token ids, text). A text that `start`s a sequence gets the tokenizer's BOS where it adds
+    one (`ServedModel.sequence_start`); token ids are taken as they are."""
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
     elif all(isinstance(p, int) for p in prompt):
@@ -96,6 +97,8 @@ def prompt_ids(served: ServedModel, prompt: Any) -> list[tuple[list[int], str]]:
     for p in items:
         if isinstance(p, str):
             ids = encode(served, p)
+            if ids and start:
+                ids = served.sequence_start(ids)
             if not ids and served.config.bos_token_id is not None:
                 ids = [int(served.config.bos_token_id)]
             if not ids:
@@ -220,7 +223,8 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Session) 
         req,
         {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
     )
-    ((ids, text),) = prompt_ids(served, req.prompt)
+    # A continuation: no BOS, unless the session is empty (its first text starts it).
+    ((ids, text),) = prompt_ids(served, req.prompt, start=not session.logical_length)
     if session.next_input is not None:
         ids = [session.next_input, *ids]
     history = session.logical_length

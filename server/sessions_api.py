@@ -214,7 +214,9 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
     ids: list[int] = []
     if req.prompt is not None:
         ids = (
-            planning.encode(served, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            served.sequence_start(planning.encode(served, req.prompt))
+            if isinstance(req.prompt, str)
+            else list(req.prompt)
         )
         if any(not 0 <= t < served.config.vocab_size for t in ids):
             raise APIError(400, "prompt holds a token id outside the vocabulary", param="prompt")
