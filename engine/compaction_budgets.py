@@ -84,7 +84,7 @@ def allocate(
                 keys=keys[g, :region].float().cpu(),
                 values=keys[g, :region].float().cpu(),  # unused here
                 queries=pooled,
-                scale=cfg.head_dim**-0.5,
+                scale=cfg.scale,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
             score = highest_attention_scores(h, "rms").sort(descending=True).values

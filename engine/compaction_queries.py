@@ -78,18 +78,27 @@ class _Engine:
         result: T = self.on_engine(timed)
         return result
 
-    def layers(self, stages: Stages, count: int) -> Iterator[Tensor]:
+    def layers(self, stages: Stages, layers: list[int]) -> Iterator[Tensor]:
         """Advance a staged forward one piece at a time (`Transformer.forward_stages`); its
-        queries [H, n, D] fp32 (row 0), layer by layer, for its first `count` layers. Once the
-        last one's are out the forward stops: that layer's attention and MLP would only make
-        hidden states nobody reads (1/layers of the pass)."""
-        for _ in range(count):
+        queries [H, n, D] fp32 (row 0) of the model layers `layers` (ascending), layer by
+        layer. Once the last one's are out the forward stops: that layer's attention and MLP
+        would only make hidden states nobody reads (1/layers of the pass)."""
+        wanted = set(layers)
+        for layer in range(max(layers) + 1):
             while (q := self(lambda: next(stages, _DONE))) is None:
                 pass  # a pause inside a layer's attention
             if isinstance(q, _Done):
                 return
-            yield q[0].float()
+            if layer in wanted:
+                yield q[0].float()
         stages.close()
+
+
+def fitted_layers(model: Transformer) -> list[int]:
+    """The model layers a compaction fits, in order (the i-th is the cache's layer i): the
+    global ones. A sliding-window layer's ring is bounded by its window already, and the
+    Attention Matching paper compacts only the global layers of such models."""
+    return model.config.global_layers
 
 
 def _urgency(on_engine: OnEngine[Any]) -> Callable[[], bool]:
@@ -177,7 +186,8 @@ def self_study_queries(
         if token in eos:
             break
         token = on_engine(functools.partial(step, [token]))
-    return [torch.cat([q[0] for q in forwards], dim=1) for forwards in captured]
+    fitted = fitted_layers(model)
+    return [torch.cat([q[0] for q in captured[i]], dim=1) for i in fitted]
 
 
 def reference_queries(
@@ -196,7 +206,7 @@ def reference_queries(
     on a row compacted before, its last compaction's segment_slots (`repeat_band`)."""
     engine = _as_engine(on_engine)
     streams: list[Iterator[Tensor]] = []
-    layers = model.config.num_layers
+    layers = fitted_layers(model)
     if source == "context":
         streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
     names = source.split("+")
@@ -243,7 +253,9 @@ def context_key_queries(
     if logical == length:
         segment = 0  # every slot is a token (a segment always stands for more than its slots)
     own = 0 if segment is None or not 0 <= segment < length else length - segment
-    if logical == n and own > 0 and (segment or count < n):
+    # A sliding-window model's ring holds only the last positions: no token is read again.
+    rereads = not model.config.local_layers
+    if rereads and logical == n and own > 0 and (segment or count < n):
         generator = torch.Generator().manual_seed(seed)
         picked = torch.randperm(own, generator=generator)[:count].sort().values  # [n']
         first = n - own  # the context index of the first token slot
@@ -254,4 +266,4 @@ def context_key_queries(
     else:
         positions = torch.arange(n)
         stages = _stages(model, context_ids, engine.pace)
-    return ((q, positions) for q in engine.layers(stages, model.config.num_layers))
+    return ((q, positions) for q in engine.layers(stages, fitted_layers(model)))

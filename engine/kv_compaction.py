@@ -79,6 +79,7 @@ from engine.compaction_queries import (
     _stages,
     _urgency,
     context_key_queries,
+    fitted_layers,
     copy_row,
     inline,
     reference_queries,
@@ -237,6 +238,8 @@ def compact_row(
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
+    if cache.window is not None:
+        cache.window.trim(cache.logical)  # a repeat pass grew the window layers' ring
     codes = None
     if quantize == "int8":  # the codes stand for the segment from now on, here too
         codes = on_fit(lambda: quantize_prefix(cache, fit.slots, row))
@@ -360,7 +363,7 @@ class _LayerFit:
                 keys=keys[g, :region].float().cpu(),
                 values=values[g, :region].float().cpu(),
                 queries=pooled,
-                scale=cfg.head_dim**-0.5,
+                scale=cfg.scale,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
             if self.method in CONTEXT_SCORED:
@@ -489,6 +492,6 @@ def _on_policy(
         work.biases = [torch.zeros_like(k[:, :, :, 0], dtype=torch.float32) for k in work.keys]
     ids = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False) + context_ids
     stages = _stages(model, ids, engine.pace, work, 0)
-    for layer, q in enumerate(engine.layers(stages, model.config.num_layers)):
+    for layer, q in enumerate(engine.layers(stages, fitted_layers(model))):
         _splice(work, layer, fit(layer, q, next(ranking)), fit.region)
     return len(ids)

@@ -69,6 +69,11 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)
     rope_local_theta: float | None = None
 
+    @property
+    def scale(self) -> float:
+        """The attention's score scale: query_pre_attn_scalar's where set, else head_dim's."""
+        return self.attention_scale or self.head_dim**-0.5
+
     def is_local(self, layer: int) -> bool:
         """Whether a layer attends within the sliding window (its cache bounded by it)."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        self.scale = cfg.scale
         # A sliding-window layer: its keys live in the cache's ring (`KVCache.window`) and its
         # mask is the window's (`Transformer` passes it).
         self.local = local

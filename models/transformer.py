@@ -188,7 +188,7 @@ class Transformer(nn.Module):
             near = positions[:, None, :] > positions[:, :, None] - window  # [B, Q, K=Q]
             visible = near[:, None] if base is None else base & near[:, None]
             return rope, AttentionMask(visible, False, q_len)
-        if explicit or mask.band is not None or mask.reread is not None:
+        if explicit or mask.reread is not None:
             # The ring holds each row's positions from its logical length on: tokens at other
             # positions (a diffusion block, a re-read) would need keys it no longer has.
             raise NotImplementedError("sliding-window layers run new tokens at their positions")
@@ -240,9 +240,13 @@ class Transformer(nn.Module):
         batch, q_len = input_ids.shape
         if cache is not None:
             self._ensure(cache, q_len)
+        local = None
         if reread is not None:
             if cache is None or batch != 1 or band is not None:
                 raise ValueError("reread needs a one-row cache and no band")
+            if self.config.local_layers:
+                # The ring holds the last positions only: earlier tokens' windows are gone.
+                raise NotImplementedError("re-reading cached tokens of sliding-window models")
             slots = reread.to(self.device)  # [Q]
             # Slot s holds the token at position s + logical - physical: on a row compacted
             # before, its tokens after the segment (which stands for more tokens than slots).
@@ -252,13 +256,15 @@ class Transformer(nn.Module):
         else:
             cos, sin, positions = self._rope_for(batch, q_len, None, cache, None)
             mask = self._mask(None, positions, cache, None, True)
+            # The band narrows the global layers' attention; window layers keep their window.
+            local = self._local_parts(positions, mask, cache, False)
             mask.band = band
-        if self.config.local_layers:
-            raise NotImplementedError("staged forwards of sliding-window models")
         x = self.embed(input_ids)  # [B, Q, hidden]
         residual = None
         for i, block in enumerate(self.layers):
-            x, residual = yield from block.stages(x, residual, cos, sin, mask, cache, i, pace)
+            (c, s), m = local if block.attn.local else ((cos, sin), mask)
+            index = self.cache_index[i]
+            x, residual = yield from block.stages(x, residual, c, s, m, cache, index, pace)
         return self._finish(x, residual, cache, commit, q_len, batch, None)
 
     def _mask(

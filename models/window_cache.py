@@ -4,8 +4,9 @@ A sliding-window layer (Gemma 3's local layers) lets a token see the `window` po
 its own, itself included. Its cache holds R >= window slots per row, position p at slot p % R,
 so it never grows with the sequence: its memory is bounded by the window however long the
 session. A forward of Q new tokens writes them at their slots before attending; R >= window +
-Q - 1 keeps every position a new query needs while the oldest ones are overwritten (the ring
-grows to that for a long forward, and `trim` shrinks it back to the window).
+Q - 1 keeps every position a new query needs (the window - 1 before the first, then the new
+ones) while older ones are overwritten, whether the forward commits or not (the ring grows to
+that for a long forward, and `trim` shrinks it back to the window).
 
 Positions, not physical slots, index it: the parent cache's logical length of a row says which
 position each slot holds (`positions`). So compacting the global layers, which changes their
@@ -57,8 +58,9 @@ class WindowCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def held(self, logical: int) -> int:
-        """How many positions a row of logical length `logical` holds: its last ones."""
-        return min(logical, self.ring)
+        """How many of a row's last positions (of logical length `logical`) any later query
+        can see: window - 1 (the window ends at the query itself). What copies keep."""
+        return min(logical, self.window - 1, self.ring)
 
     # ---- the forward pass ------------------------------------------------------------------
     def ensure(self, q_len: int, logical: list[int]) -> None:
@@ -147,9 +149,9 @@ class WindowCache:
 
     # ---- segments (a session's files) -----------------------------------------------------
     def ordered(self, row: int, logical: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Per layer, the K/V [Hkv, n, D] of the last n = min(logical, window) positions of
-        one row, oldest first: what a session's segment keeps of these layers."""
-        count = min(self.held(logical), self.window)
+        """Per layer, the K/V [Hkv, n, D] of the last n = `held(logical)` positions of one
+        row, oldest first: what a session's segment keeps of these layers."""
+        count = self.held(logical)
         pos = torch.arange(logical - count, logical, device=self.keys[0].device) % self.ring
         return [k[row][:, pos] for k in self.keys], [v[row][:, pos] for v in self.values]
 

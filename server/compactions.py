@@ -29,7 +29,6 @@ async def compact(
     state: ServerState, served: ServedModel, session: Session, req: CompactRequest
 ) -> dict[str, Any]:
     """A requested compaction of the session: checked (400), run, committed."""
-    check_compactable(served)
     try:
         resolve_key_queries(req.method, req.key_queries)
     except ValueError as e:
@@ -54,19 +53,6 @@ async def compact(
         )
     await spill(state.sessions)  # idle now: packed (int8, ragged) or spilled as the bound says
     return body
-
-
-def check_compactable(served: ServedModel) -> None:
-    """400 for a model whose caches compaction does not handle yet: sliding-window layers
-    (Gemma 3). Their ring is bounded already; compacting the global layers alone needs
-    reference queries from a pass the ring can serve (not written yet)."""
-    if served.config.local_layers:
-        raise APIError(
-            400,
-            f"compaction of {served.name!r} is not supported yet: models with sliding-window "
-            "layers keep a bounded cache on those layers already",
-            param="model",
-        )
 
 
 async def auto_compact(

@@ -34,7 +34,7 @@ from engine.served_model import ServedModel
 from engine.session import Session, SessionError
 from engine.session_mirror import MirrorError
 from server import planning, streaming
-from server.compactions import check_compactable, compact
+from server.compactions import compact
 from server.errors import APIError
 from server.planning import Choice, UsageCount, record, run_choices, usage
 from server.response_input import Turn, continuation_ids, first_prompt, parse_input, prompt_text
@@ -455,7 +455,6 @@ async def delete_response(rid: str, state: State) -> dict[str, Any]:
 )
 async def compact_response(req: ResponseCompactRequest, state: State) -> dict[str, Any]:
     served = _chat_model(state, req.model)
-    check_compactable(served)
     if req.ratio is not None and req.target_tokens is not None:
         raise APIError(400, "give at most one of ratio and target_tokens", param="ratio")
     turn = parse_input(req.input, req.instructions)

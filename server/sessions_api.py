@@ -25,7 +25,7 @@ from engine.served_model import ServedModel
 from engine.session import Session, SessionError
 from engine.session_mirror import MirrorError
 from server import completions, planning, streaming
-from server.compactions import after_append, check_compactable, compact
+from server.compactions import after_append, compact
 from server.errors import APIError
 from server.schemas import (
     ERROR_RESPONSES,
@@ -155,7 +155,6 @@ def auto_compact_policy(spec: AutoCompactSpec | None, served: ServedModel) -> Au
     """A session's online compaction policy, checked (400 with the param)."""
     if spec is None:
         return None
-    check_compactable(served)
     try:
         policy = AutoCompact(**spec.model_dump())
     except ValueError as e:
