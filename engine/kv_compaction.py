@@ -79,8 +79,8 @@ from engine.compaction_queries import (
     _stages,
     _urgency,
     context_key_queries,
-    fitted_layers,
     copy_row,
+    fitted_layers,
     inline,
     reference_queries,
 )
