@@ -64,6 +64,7 @@ from bench.facts import (
     kept,
     make_context,
     measure,
+    sequence_start,
 )
 from engine.compaction_budgets import load_schedule
 from engine.compaction_options import default_key_queries
@@ -382,15 +383,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         context, facts, continuation = make_context(text, tok, length, args.facts, rng)
         if args.only is not None and c not in args.only:
             continue
-        ids = tok(context, add_special_tokens=False).input_ids
+        start = sequence_start(tok)
+        ids = start + tok(context, add_special_tokens=False).input_ids
         recon = tok(RECON_INSTRUCTION, add_special_tokens=False).input_ids
         encode = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
         probe = Probe(
             facts=[(encode(f.question), encode(f.answer)) for f in facts],
             paraphrases=[(encode(f.paraphrase), encode(f.answer)) for f in facts],
             continuation=continuation,
-            recon_prompt=recon + ids[:1],
-            recon_target=ids[1 : 1 + args.recon_tokens],
+            recon_prompt=recon + ids[len(start) : len(start) + 1],
+            recon_target=ids[len(start) + 1 : len(start) + 1 + args.recon_tokens],
         )
         started = time.perf_counter()
         full = model.new_cache(1, len(ids) + 64)
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             src: list(reference_queries(model, tok, full, 0, ids, src))
             for src in sorted(sources - {"on-policy"})
         }
-        base_none = measure(model, None, probe, em=False)
+        base_none = measure(model, None, probe, em=False, start=start)
         base_full = measure(model, full, probe, em=True)
         print(
             f"context {c}: {len(ids)} tokens, {len(facts)} facts, prefill {prefill_s:.1f}s; "

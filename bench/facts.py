@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,13 @@ def make_context(text: str, tok, length: int, n_facts: int, rng: random.Random):
 
 
 @torch.no_grad()
-def answer_nll(model, cache: KVCache | None, prompt: list[int], answer: list[int]) -> float:
-    """Mean NLL of `answer` after `prompt`, continuing `cache` (not modified) or from nothing."""
+def answer_nll(
+    model, cache: KVCache | None, prompt: list[int], answer: list[int], start: Sequence[int] = ()
+) -> float:
+    """Mean NLL of `answer` after `prompt`, continuing `cache` (not modified) or from nothing
+    (then after `start`: the BOS a model like Gemma needs to begin a sequence)."""
+    if cache is None:
+        prompt = [*start, *prompt]
     ids = torch.tensor([prompt + answer], device=model.device)
     if cache is None:
         hidden = model(ids)
@@ -178,19 +184,31 @@ class Probe:
     recon_target: list[int]
 
 
-def measure(model, cache: KVCache | None, probe: Probe, em: bool) -> dict[str, float]:
-    facts = [answer_nll(model, cache, q, a) for q, a in probe.facts]
-    paraphrases = [answer_nll(model, cache, q, a) for q, a in probe.paraphrases]
+def measure(
+    model, cache: KVCache | None, probe: Probe, em: bool, start: Sequence[int] = ()
+) -> dict[str, float]:
+    """The probe's NLLs (and greedy exact match, `em`) continuing `cache`, or from nothing
+    after `start` (`sequence_start`)."""
+    facts = [answer_nll(model, cache, q, a, start) for q, a in probe.facts]
+    paraphrases = [answer_nll(model, cache, q, a, start) for q, a in probe.paraphrases]
+    cont = probe.continuation
     out = {
         "facts": statistics.mean(facts),
         "para": statistics.mean(paraphrases),
-        "cont": answer_nll(model, cache, probe.continuation[:1], probe.continuation[1:]),
-        "recon": answer_nll(model, cache, probe.recon_prompt, probe.recon_target),
+        "cont": answer_nll(model, cache, cont[:1], cont[1:], start),
+        "recon": answer_nll(model, cache, probe.recon_prompt, probe.recon_target, start),
     }
     if em and cache is not None:
         hits = [greedy(model, cache, q, len(a)) == a for q, a in probe.facts]
         out["em"] = 100.0 * sum(hits) / len(hits)
     return out
+
+
+def sequence_start(tok) -> list[int]:
+    """The BOS the tokenizer puts first, where it does (Gemma), else nothing (SmolLM2): a
+    context, or a question asked without one, starts with it."""
+    bos = tok.bos_token_id
+    return [bos] if bos is not None and tok("a").input_ids[:1] == [bos] else []
 
 
 def kept(none: float, full: float, method: float) -> float:

@@ -45,8 +45,8 @@ def segment_tensors(
                 tensors[f"m.{layer}"] = visible
         tensors |= {f"{name}.{layer}": t.contiguous() for name, t in part.items()}
     if cache.window is not None and end == cache.lengths[0]:
-        keys, values = cache.window.ordered(0, cache.logical[0])  # per layer [Hkv, n, D]
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        ring_keys, ring_values = cache.window.ordered(0, cache.logical[0])  # [Hkv, n, D] each
+        for layer, (k, v) in enumerate(zip(ring_keys, ring_values, strict=True)):
             tensors[f"wk.{layer}"], tensors[f"wv.{layer}"] = k.contiguous(), v.contiguous()
         tensors["window"] = torch.tensor([cache.window.window])
     return tensors
