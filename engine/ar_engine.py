@@ -328,7 +328,9 @@ class AREngine(ScheduledEngine[ARSequence]):
         """Leave nothing behind that later steps would pay for: the per-key biases once no
         row holds a compacted segment (every step would add them, through a float mask or the
         kernel's bias path), and, once idle, a cache grown past its first size for a long
-        prompt or session (its memory)."""
+        prompt or session (its memory). (A window layer's ring stays as a prompt's chunk grew
+        it: at most window + prefill_tokens slots a row, and trimming it each time the engine
+        idles would copy it back and forth between requests.)"""
         if self.cache is None:
             return
         if self.cache.biases is not None and not any(s.compacted for s in self.running):

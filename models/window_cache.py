@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+RING_STEP = 64  # a grown ring's size is a multiple of this
+
 
 @dataclass(slots=True)
 class WindowCache:
@@ -68,7 +70,9 @@ class WindowCache:
         window must survive the new tokens' writes)."""
         needed = self.window + q_len - 1
         if needed > self.ring:
-            self._relayout(max(needed, 2 * self.ring), logical)
+            # Rounded up (a prompt's chunks vary a little), not doubled: a ring is grown for a
+            # longer forward, not for a sequence that keeps growing.
+            self._relayout(-(-needed // RING_STEP) * RING_STEP, logical)
 
     def write(
         self, layer: int, k_new: Tensor, v_new: Tensor, starts: list[int]
