@@ -57,6 +57,9 @@ def test_chunked_prefill_matches_one_forward_and_the_ring_stays_bounded(pair, ch
             # (a multiple of 64).
             assert cache.window.ring == max(WINDOW, -(-(WINDOW + chunk - 1) // 64) * 64)
         assert cache.lengths == [90, 90] and cache.logical == [90, 90]
+        # What a copy or a session's segment keeps: the window - 1 positions a later query
+        # sees, not the whole grown ring.
+        assert cache.window.ordered(1, 90)[0][0].shape[1] == WINDOW - 1
         cache.trim()
         assert cache.window.ring == WINDOW  # back to the window, positions kept
         outs.append(ours.logits(ours(torch.tensor([[5], [6]]), cache=cache)))
