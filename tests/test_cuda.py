@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-AR = ("llama", "qwen2", "qwen3")
+AR = ("llama", "qwen2", "qwen3", "gemma3")
 DLM = {"dream": (tiny_models.dream_tiny, 1), "llada": (tiny_models.llada_tiny, 2)}
 
 
