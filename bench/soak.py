@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import tempfile
 import time
@@ -31,6 +32,7 @@ from bench.load import stop
 from bench.mixed import PHASES, RssSampler, add_server_args, start_server
 
 GOAL_GROWTH_PCT = 2.0
+MEDIAN_S = 60.0  # the verdict's two levels are medians over this many seconds
 
 
 def proc_memory_mb(pid: int) -> dict[str, float]:
@@ -79,15 +81,31 @@ def at(samples: list[dict], seconds: float) -> dict:
     return next((s for s in samples if s["t_s"] >= seconds), samples[-1])
 
 
+def median_rss(samples: list[dict], after_s: float, until_s: float) -> float:
+    """The median RSS of the samples with after_s <= t_s <= until_s."""
+    return statistics.median(s["rss_mb"] for s in samples if after_s <= s["t_s"] <= until_s)
+
+
 def verdict(samples: list[dict], settle_s: float, errors: int) -> dict:
+    """Growth from the minute after settling to the last minute under load, each level the
+    median RSS over its minute: the trims after each session's delete swing RSS by ~130 MB
+    within seconds, and a single sample falling in a dip (or on a peak) decided the verdict.
+    The single samples stay beside the medians, for comparison with older runs."""
     load = [s for s in samples if s["phase"] == "load"]
-    settled, end = at(load, settle_s), load[-1]
-    growth = 100 * (end["rss_mb"] - settled["rss_mb"]) / settled["rss_mb"]
+    settled_sample, end_sample = at(load, settle_s), load[-1]
+    first, last = settled_sample["t_s"], end_sample["t_s"]
+    # Open on the far side: a minute of 10 s samples is 6 of them, not 7.
+    settled = median_rss(load, first, first + MEDIAN_S - 1e-6)
+    end = median_rss(load, max(first, last - MEDIAN_S + 1e-6), last)
+    growth = 100 * (end - settled) / settled
     return {
         "rss_start_mb": samples[0]["rss_mb"],
-        "rss_settled_mb": settled["rss_mb"],
-        "settled_at_s": settled["t_s"],
-        "rss_end_mb": end["rss_mb"],
+        "median_window_s": MEDIAN_S,
+        "settled_at_s": first,
+        "rss_settled_mb": round(settled, 1),  # the median of the minute from settled_at_s
+        "rss_end_mb": round(end, 1),  # the median of the last minute under load
+        "rss_settled_sample_mb": settled_sample["rss_mb"],
+        "rss_end_sample_mb": end_sample["rss_mb"],
         "rss_max_mb": max(s["rss_mb"] for s in load),
         "rss_idle_after_mb": samples[-1]["rss_mb"],
         "growth_after_settle_pct": round(growth, 2),
@@ -115,8 +133,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axvline(result["verdict"]["settled_at_s"] / 60, color="grey", linestyle=":")
     v = result["verdict"]
     ax.set_title(
-        f"RSS {v['rss_settled_mb']:.0f} MB at {v['settled_at_s'] / 60:.1f} min -> "
-        f"{v['rss_end_mb']:.0f} MB at end ({v['growth_after_settle_pct']:+.2f}%), "
+        f"RSS 1-min medians: {v['rss_settled_mb']:.0f} MB from {v['settled_at_s'] / 60:.1f} min"
+        f" -> {v['rss_end_mb']:.0f} MB in the last ({v['growth_after_settle_pct']:+.2f}%), "
         f"{v['errors']} errors"
     )
     ax.set_xlabel("minutes (server started at 0)")
@@ -139,8 +157,10 @@ def _print(result: dict) -> None:
     last = [s for s in result["samples"] if s["phase"] == "load"][-1]
     print("server's own counts at the end (MB):", {k: v for k, v in last.items() if "_mb" in k})
     print(
-        f"RSS MB: fresh {v['rss_start_mb']}, at {v['settled_at_s']:.0f} s {v['rss_settled_mb']},"
-        f" end {v['rss_end_mb']} (max {v['rss_max_mb']}), idle after {v['rss_idle_after_mb']}"
+        f"RSS MB: fresh {v['rss_start_mb']}; 1-min medians: from {v['settled_at_s']:.0f} s "
+        f"{v['rss_settled_mb']}, last minute {v['rss_end_mb']} (single samples "
+        f"{v['rss_settled_sample_mb']}, {v['rss_end_sample_mb']}); max {v['rss_max_mb']}, "
+        f"idle after {v['rss_idle_after_mb']}"
     )
     print(
         f"growth after settling: {v['growth_after_settle_pct']:+.2f}% (goal < "

@@ -120,15 +120,25 @@ class _WideThread:
         set_here = _this_thread_setter()
         ready.set()
         while True:
-            fn, done = self._inbox.get()
-            if torch.get_num_threads() != self._threads and set_here is not None:
-                set_here(self._threads)
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                done.set_result(fn())
-            except BaseException as e:  # handed to the caller
-                done.set_exception(e)
+            # The piece is a call's argument, not a local of this loop: it is let go of on
+            # return. A loop variable stayed alive while the thread waited for its next piece,
+            # which can take minutes (it only gets pieces while one thread has work), and with
+            # it the piece's closure and result: a compaction's staged forward held its
+            # working copy of the session's cache, ~80 MB on SmolLM2 at 1.5K tokens, long
+            # after the compaction, even after the session's delete (issue 42's soak).
+            self._serve(*self._inbox.get(), set_here)
+
+    def _serve(
+        self, fn: Callable[[], Any], done: Future[Any], set_here: Callable[[int], None] | None
+    ) -> None:
+        if torch.get_num_threads() != self._threads and set_here is not None:
+            set_here(self._threads)
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # handed to the caller
+            done.set_exception(e)
 
 
 class CoreShare:

@@ -33,13 +33,36 @@ def _samples(rss: list[float]) -> list[dict]:
     return [*rows, {"t_s": 10.0 * (len(rss) + 1), "phase": "idle", "rss_mb": 900.0}]
 
 
-def test_growth_counts_from_the_settled_sample_to_the_last_under_load():
-    # Settled at 30 s (1,500 MB), last under load 1,530 MB: +2%, not counted from the fresh
+def test_growth_counts_between_one_minute_medians_after_settling_and_at_the_end():
+    # Samples every 10 s from 10 s; settled at 60 s. The minute from 60 s (60-110 s) has the
+    # median 1,500 MB, the last minute (130-180 s) 1,530 MB: +2%, not counted from the fresh
     # 1,000 MB nor to the idle sample.
-    v = soak.verdict(_samples([1200, 1400, 1500, 1600, 1530]), settle_s=30, errors=0)
-    assert (v["rss_settled_mb"], v["rss_end_mb"], v["rss_max_mb"]) == (1500, 1530, 1600)
+    rss = [1200, 1300, 1400, 1400, 1500, 1500, 1500, 1600, 1500, 1500]
+    rss += [1500, 1520, 1530, 1530, 1530, 1540, 1540, 1400]
+    v = soak.verdict(_samples(rss), settle_s=60, errors=0)
+    assert (v["settled_at_s"], v["rss_settled_mb"], v["rss_end_mb"]) == (60, 1500, 1530)
+    assert (v["rss_settled_sample_mb"], v["rss_end_sample_mb"], v["rss_max_mb"]) == (
+        1500,
+        1400,
+        1600,
+    )
     assert v["growth_after_settle_pct"] == 2.0 and not v["goal_met"]
     assert v["rss_idle_after_mb"] == 900
+
+
+def test_a_single_sample_in_a_trims_dip_or_on_a_peak_does_not_decide():
+    """The last soak's 5-minute sample fell in the dip after a session's delete (1,380 MB among
+    ~1,400s); with a peak at the end, single samples said +7%, the medians say flat."""
+    flat = [1400, 1405, 1398, 1402, 1400, 1401]
+    rss = [1300] * 5 + [1270] + flat[1:] + flat * 3 + flat[:-1] + [1500]
+    v = soak.verdict(_samples(rss), settle_s=60, errors=0)
+    assert v["rss_settled_sample_mb"] == 1270 and v["rss_end_sample_mb"] == 1500
+    assert abs(v["growth_after_settle_pct"]) < 0.5 and v["goal_met"]
+
+
+def test_a_run_shorter_than_the_settling_takes_its_last_sample():
+    v = soak.verdict(_samples([1200, 1300]), settle_s=300, errors=0)
+    assert (v["settled_at_s"], v["rss_settled_mb"], v["rss_end_mb"]) == (20, 1300, 1300)
 
 
 def test_the_goal_needs_no_errors_too():

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -235,3 +236,30 @@ def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
         thread.shutdown(timeout=10)
     assert seen == {"alone": (2, "cores-wide"), "beside a step": 1, "busy during a piece": 1}
     assert 1 in engine.threads  # the engine's steps beside the fit ran on one core too
+
+
+def test_the_wide_thread_lets_go_of_a_piece_and_its_result_once_handed_over():
+    """The wide thread waits for its next piece for as long as several threads are busy (it
+    only gets pieces while one thread has the cores): minutes under a mixed load. Meanwhile it
+    must hold nothing of its last piece (issue 42: a compaction's staged forward, and with it
+    its working copy of a session's cache, ~80 MB, stayed alive that long)."""
+    before = torch.get_num_threads()
+    cores = CoreShare(2)
+
+    class Held:
+        """Stands for what a piece's closure and its result hold (a cache, a tensor)."""
+
+    captured, returned = Held(), Held()
+    alive = [weakref.ref(captured), weakref.ref(returned)]
+
+    def piece(held: Held = captured, out: Held = returned) -> tuple[Held, str]:
+        return out, threading.current_thread().name
+
+    try:
+        result, where = cores.run(piece)  # the only busy thread here: on the wide thread
+        cores.leave()
+        assert where == "cores-wide" and result is returned
+        del captured, returned, result, piece
+        _until(lambda: all(ref() is None for ref in alive), timeout=5)
+    finally:
+        torch.set_num_threads(before)

@@ -4,8 +4,11 @@ machine has it."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
+import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -140,3 +143,135 @@ def test_an_idle_ar_engine_reports_the_batch_cache_it_drops(tmp_path, monkeypatc
             grown.append(engine.cache.allocated_bytes())
         engine.step()
     assert engine.cache is None and reported == [grown[-1]] and grown[-1] > 0
+
+
+class RecordingTrimmer(heap.HeapTrimmer):
+    """The real trimmer (its thread, its wake-up), also noting each free reported to it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.reported: list[int] = []
+
+    def freed(self, nbytes: int) -> None:
+        self.reported.append(nbytes)
+        super().freed(nbytes)
+
+
+@pytest.fixture
+def trimmed_server(tiny_llama_dir, tmp_path):
+    """An in-process server of the tiny model whose trimmer trims only when woken (no periodic
+    trim within the test), with a stand-in libc that says when malloc_trim was called; yields
+    (its URL, the trimmer, the server's state): in-process, a test sees what the server holds."""
+    import uvicorn
+
+    from conftest import free_port
+    from server.app import create_app
+    from server.state import ModelSpec
+
+    settings = ServerSettings(
+        [ModelSpec("tiny", str(tiny_llama_dir))],
+        torch.device("cpu"),
+        torch.float32,
+        sessions_dir=tmp_path,
+        heap_trim_seconds=3600,
+    )
+    app = create_app(settings)
+    trimmer = RecordingTrimmer(every_s=3600, soon_s=0, libc=FakeLibc())
+    app.state.server.heap = trimmer  # before the lifespan starts it (ServerState.load_all)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield base, trimmer, app.state.server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _armed(trimmer: RecordingTrimmer, big_bytes: int) -> int:
+    """From now on, only a free of `big_bytes` or more wakes the trimmer; its trims so far."""
+    time.sleep(0.2)  # a trim woken earlier (the loading's frees) is done
+    trimmer.big_bytes = big_bytes
+    trimmer.reported.clear()
+    return trimmer.trims
+
+
+def _trimmed_since(trimmer: RecordingTrimmer, trims: int, timeout: float = 20) -> bool:
+    """Whether the trimmer trims again within `timeout` seconds (its count, not the libc's
+    call: the count goes up just after the call)."""
+    deadline = time.monotonic() + timeout
+    while trimmer.trims == trims and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return trimmer.trims > trims
+
+
+CONTEXT = "The code name of the blue box is Orchid-417. " * 3
+
+
+def test_deleting_a_session_wakes_the_trimmer_with_its_bytes(trimmed_server):
+    """session_access.drop reports the session's cache as freed: a delete is followed by a
+    trim, woken by a report of the session's size (issue 42: deleted sessions' caches stayed
+    in glibc's arenas until the next periodic trim)."""
+    base, trimmer, _ = trimmed_server
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "s", "prompt": CONTEXT})
+    assert r.status_code == 201, r.text
+    size = r.json()["bytes"]
+    trims = _armed(trimmer, big_bytes=size)
+    assert httpx.delete(f"{base}/v1/sessions/s").status_code == 200
+    assert _trimmed_since(trimmer, trims), f"no trim after the delete: {trimmer.reported}"
+    assert size in trimmer.reported
+
+
+def test_a_compaction_wakes_the_trimmer_with_what_it_gave_back(trimmed_server):
+    """The compaction's reference pass grows the session's cache to ~2x its context, and its
+    end (compactions._run) reports what the trim of that cache freed: more than the session
+    held before, which wakes the trimmer."""
+    base, trimmer, _ = trimmed_server
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "c", "prompt": CONTEXT})
+    assert r.status_code == 201, r.text
+    before = r.json()["bytes"]
+    trims = _armed(trimmer, big_bytes=before)
+    body = {"ratio": 4, "method": "am-highest", "query_source": "repeat", "keep_recent": 16}
+    r = httpx.post(f"{base}/v1/sessions/c/compact", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    after = httpx.get(f"{base}/v1/sessions/c").json()["bytes"]
+    assert _trimmed_since(trimmer, trims), f"no trim after compacting: {trimmer.reported}"
+    assert [n for n in trimmer.reported if n >= before], trimmer.reported
+    assert after < before
+
+
+def test_nothing_holds_a_compactions_caches_once_the_session_is_deleted(trimmed_server):
+    """After a compaction and the session's delete, the only KV cache alive is the engine's
+    own batch cache (issue 42: the compaction's last piece of model work, run on the core
+    share's wide thread, stayed referenced by that thread until its next piece, minutes under
+    load, and through it the compaction's fit and its caches outlived the session: ~80 MB on
+    SmolLM2 at 1.5K tokens)."""
+    from models.kv_cache import KVCache
+
+    base, _, state = trimmed_server
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "d", "prompt": CONTEXT})
+    assert r.status_code == 201, r.text
+    body = {"ratio": 4, "method": "am-highest", "query_source": "repeat", "keep_recent": 16}
+    assert httpx.post(f"{base}/v1/sessions/d/compact", json=body, timeout=300).status_code == 200
+    assert httpx.delete(f"{base}/v1/sessions/d").status_code == 200
+    engine = state.models["tiny"].engine
+
+    def left() -> list[tuple[int, ...]]:
+        gc.collect()  # a cycle is not a holder: only what is still reachable counts
+        caches = [o for o in gc.get_objects() if isinstance(o, KVCache) and o is not engine.cache]
+        return [tuple(c.keys[0].shape) for c in caches if c.keys]
+
+    deadline = time.monotonic() + 10  # the threads that ran it get back to their waits
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []
