@@ -15,6 +15,8 @@ from engine.kv_quant import QuantizedSegment
 from models.kv_cache import KVCache
 from models.window_cache import WindowCache
 
+MAX_WINDOW = 1 << 20  # slots: larger than any model's sliding window (Gemma 3's: 512-4,096)
+
 
 def segment_tensors(
     cache: KVCache, start: int, end: int, codes: QuantizedSegment | None = None
@@ -111,7 +113,11 @@ def _window(
     def load(name: str) -> list[torch.Tensor]:
         return [last[f"{name}.{i}"].to(device=device, dtype=dtype) for i in range(count)]
 
-    return WindowCache.from_ordered(load("wk"), load("wv"), int(last["window"][0]), logical)
+    window = int(last["window"][0])
+    # A size read from a file: bounded before it becomes an allocation.
+    if not 0 < window <= MAX_WINDOW or last["wk.0"].shape[1] > window:
+        raise ValueError(f"a segment's window ring of {window} slots is not a window")
+    return WindowCache.from_ordered(load("wk"), load("wv"), window, logical)
 
 
 def _unragged(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
