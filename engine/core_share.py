@@ -69,7 +69,12 @@ def _this_thread_setter() -> Callable[[int], None] | None:
     torch's process default (`torch.set_num_threads` sets both), or None where the runtimes'
     entry points are not found (then the wide thread uses torch.set_num_threads)."""
     omp = None
-    for path in _loaded("libgomp") + _loaded("libiomp"):
+    # torch's own OpenMP runtime, the one its parallel loops (and the fused kernels', which
+    # resolve libgomp.so.1 to the copy torch loaded) read: looked up through libtorch_cpu,
+    # whose dependencies dlsym searches first. Other packages bring OpenMP runtimes of their
+    # own (sentencepiece's wheel ships a libgomp, loaded whenever transformers imports it),
+    # and setting one of those left the wide thread on one core after its first step.
+    for path in _loaded("libtorch_cpu") + _loaded("libgomp") + _loaded("libiomp"):
         with contextlib.suppress(OSError, AttributeError):
             omp = ctypes.CDLL(path).omp_set_num_threads
             break
