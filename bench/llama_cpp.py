@@ -19,8 +19,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from models.fetch import serve_home
-from models.sources import DEFAULT_AR_MODEL, resolve
+from models.fetch import assemble_gguf, serve_home
+from models.sources import BUILTIN, DEFAULT_AR_MODEL, resolve
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
 TARGETS = ("llama-server", "llama-quantize")
@@ -85,14 +85,28 @@ def binaries() -> dict[str, Path]:
 
 
 def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
-    """`model` (an HF folder we serve) as a GGUF file: "bf16" by llama.cpp's converter, "Q8_0"
-    by llama-quantize from that. Converted once."""
+    """`model` (an HF folder we serve) as a GGUF file, made once:
+    - "source": a built-in model's own GGUF, the file ours is converted from (SmolLM2's Q4_1,
+      Gemma 3 270M's Q4_K_M), assembled from its pinned wheels;
+    - "bf16": a built-in model's source widened by llama-quantize, the same numbers ours are
+      (llama.cpp's converter cannot read our Gemma folder: it wants the sentencepiece file,
+      which the GGUF does not carry); llama.cpp's converter on any other folder;
+    - "Q8_0" (or another llama-quantize type): llama-quantize from the bf16 file."""
     out = home() / "models" / f"{Path(model).name}-{kind}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    if kind == "bf16":
+    if kind == "source":
+        if model not in BUILTIN:
+            raise ValueError(f"{model!r} is not a built-in model: it has no source GGUF")
+        with tempfile.TemporaryDirectory(dir=out.parent) as work:
+            assemble_gguf(BUILTIN[model], Path(work)).rename(out)
+        return out
+    if kind == "bf16" and model in BUILTIN:
+        quantize = str(binaries()["llama-quantize"])
+        _run([quantize, "--allow-requantize", str(gguf(model, "source")), str(tmp), "BF16"])
+    elif kind == "bf16":
         src = source()
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(resolve(model))]

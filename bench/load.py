@@ -77,10 +77,20 @@ def austen_ids(model: str, tokens: int) -> list[int]:
 
 
 def start(
-    cmd: list[str], url: str, log: Path, timeout: float = 600, cwd: Path | None = None
+    cmd: list[str],
+    url: str,
+    log: Path,
+    timeout: float = 600,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=cwd,
+        env=env,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -247,6 +257,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="the server to compare with: transformers serve, or llama.cpp's llama-server "
         "(built from source once, bench/llama_cpp.py; bf16 and Q8_0 GGUF)",
     )
+    p.add_argument(
+        "--peer-kinds",
+        nargs="+",
+        default=["bf16", "Q8_0"],
+        help="llama-server's GGUFs: bf16, Q8_0 (converted from our model's folder), source "
+        "(a built-in model's own GGUF, e.g. Gemma 3 270M's Q4_K_M)",
+    )
     p.add_argument("--no-peer", dest="peer", action="store_const", const="none")
     p.add_argument("--quantize", choices=["int8"], help="serve ours with int8 weights")
     p.add_argument(
@@ -374,7 +391,7 @@ def _peers(args: argparse.Namespace, folder: Path) -> list[tuple[str, list[str],
         return [
             (f"llama-server {kind}", llama_cpp.server_command(
                 llama_cpp.gguf(args.model, kind), 0, args.concurrency), "m")
-            for kind in ("bf16", "Q8_0")
+            for kind in args.peer_kinds
         ]  # fmt: skip
     return []
 

