@@ -22,9 +22,10 @@ from engine.prefix_cache import PrefixCache
 from models import kernels
 from models.config import ModelConfig
 from models.loading import load_model
-from models.quantize import quantize_model
+from models.quantize import quantize_model, serving_quantization
 from models.sources import resolve
 from models.transformer import Transformer
+from models.weights import native_q8
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,24 @@ def load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def _quantization(
+    name: str,
+    asked: str | None,
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    quantized: dict[str, int],
+    model: Any,
+) -> str | None:
+    """`serving_quantization`, saying in the log what it chose and what a GGUF had widened."""
+    kind = serving_quantization(asked, stored, model)
+    if kind != asked:
+        log.info("%s: every matrix of the GGUF is Q8_0: served as int8 with its codes", name)
+    widened = {t: n for t, n in quantized.items() if not (t == "Q8_0" and kind == "int8")}
+    if widened:
+        kinds = ", ".join(f"{n} {t}" for t, n in sorted(widened.items()))
+        log.info("%s: GGUF tensors dequantized at load (no fused kernel for them): %s", name, kinds)
+    return kind
+
+
 def load_served_model(
     name: str,
     spec: str,
@@ -138,13 +157,17 @@ def load_served_model(
         model, ckpt = share.run(
             lambda: load_model(path, device=device, dtype=dtype, resolve=resolve)
         )
-        count = share.run(lambda: quantize_model(model)) if quantize == "int8" else 0
+        stored = native_q8(ckpt.q8, ckpt.config)
+        ckpt.q8 = {}
+        quantize = _quantization(name, quantize, stored, ckpt.quantized, model)
+        count = share.run(lambda: quantize_model(model, stored)) if quantize == "int8" else 0
     if quantize == "int8":
         fused = device.type == "cpu" and kernels.cpu_has_bf16_dot() and dtype == torch.bfloat16
         log.info(
-            "%s: %d matrices quantized to int8 (Q8_0); %s",
+            "%s: %d matrices int8 (Q8_0; %d with the file's own codes); %s",
             name,
             count,
+            len(stored),
             "decode steps multiply them as int8 (AVX512-VNNI)"
             if fused
             else "dequantized for this device/dtype: answers as int8, no speed gain here",

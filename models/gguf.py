@@ -149,9 +149,20 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rows_in_hf_order(arr: np.ndarray, name: str, cfg: dict[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation where it applies (rows are outputs: weights,
+    codes and per-block scales alike)."""
+    if cfg["model_type"] != "llama":
+        return arr
+    if name.endswith("self_attn.q_proj.weight"):
+        return _unpermute(arr, cfg["num_attention_heads"])
+    if name.endswith("self_attn.k_proj.weight"):
+        return _unpermute(arr, cfg["num_key_value_heads"])
+    return arr
+
+
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor [out, in]) for every tensor, dequantized."""
-    permute = cfg["model_type"] == "llama"
     gemma = cfg["model_type"] == "gemma3_text"
     for t in reader.tensors:
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -163,11 +174,44 @@ def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str,
         name = _hf_name(t.name, gemma)
         if gemma and name.endswith("norm.weight"):
             arr = arr - 1.0  # llama.cpp stored 1 + w
-        if permute and name.endswith("self_attn.q_proj.weight"):
-            arr = _unpermute(arr, cfg["num_attention_heads"])
-        elif permute and name.endswith("self_attn.k_proj.weight"):
-            arr = _unpermute(arr, cfg["num_key_value_heads"])
+        arr = _rows_in_hf_order(arr, name, cfg)
         yield name, torch.tensor(arr)  # a copy: the reader's arrays are read-only memmaps
+
+
+Q8_0_BLOCK_BYTES = 34  # an fp16 scale, then 32 int8 codes
+
+
+def quantized_types(reader: GGUFReader) -> dict[str, int]:
+    """How many tensors of each quantized type (Q8_0, Q4_K, ...) the file holds."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts
+
+
+def iter_q8_0(
+    reader: GGUFReader, cfg: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Yield (HF name, codes int8 [out, in], scales fp32 [out, in / 32]) for every Q8_0 matrix,
+    exactly as stored: what `iter_weights` dequantizes is codes x scales, and int8 serving
+    takes these rather than quantizing those values again (which a bf16 copy rounds)."""
+    gemma = cfg["model_type"] == "gemma3_text"
+    for t in reader.tensors:
+        if t.tensor_type != GGMLQuantizationType.Q8_0 or len(t.shape) != 2:
+            continue
+        cols, rows = (int(d) for d in t.shape)
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // 32, Q8_0_BLOCK_BYTES)
+        scales = blocks[..., :2].copy().view(np.float16).reshape(rows, cols // 32)
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        name = _hf_name(t.name, gemma)
+        codes = _rows_in_hf_order(codes, name, cfg)
+        scales = _rows_in_hf_order(scales, name, cfg)
+        yield (
+            name,
+            torch.from_numpy(np.ascontiguousarray(codes)),
+            torch.tensor(scales.astype(np.float32)),
+        )
 
 
 def open_gguf(path: str | Path) -> GGUFReader:

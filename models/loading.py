@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,11 @@ class Checkpoint:
     weights: dict[str, Tensor]
     # Folder holding the tokenizer (the base's folder for an adapter); None for a bare GGUF.
     tokenizer_folder: Path | None
+    # A GGUF's Q8_0 matrices as stored (codes, scales), under canonical names; `weights` has
+    # them dequantized. Int8 serving takes these (models/quantize.py).
+    q8: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # A GGUF's quantized tensors by type ({"Q4_K": 120, ...}): what was dequantized at load.
+    quantized: dict[str, int] = field(default_factory=dict)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -75,7 +80,9 @@ def read_checkpoint(
             name: (t.to(dtype) if dtype is not None else t)
             for name, t in gguf.iter_weights(reader, raw)
         }
-        return Checkpoint(ModelConfig.from_hf_dict(raw), raw, weights, None)
+        q8 = {name: (c, s) for name, c, s in gguf.iter_q8_0(reader, raw)}
+        cfg = ModelConfig.from_hf_dict(raw)
+        return Checkpoint(cfg, raw, weights, None, q8, gguf.quantized_types(reader))
     if not path.is_dir():
         raise CheckpointError(f"{source} is neither a model folder nor a .gguf file")
     if lora.is_adapter_folder(path):

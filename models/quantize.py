@@ -68,33 +68,60 @@ def q8_linear_reference(
     return y.to(x.dtype)
 
 
-def quantize_model(model: Any) -> int:
-    """Q8_0 for every decoder matrix (qkv, o, gate_up, down) and the output head of `model`
+def quantized_modules(model: Any) -> dict[str, Any]:
+    """The modules `quantize_model` gives Q8_0 weights, by their names in the model: every
+    decoder matrix (qkv, o, gate_up, down) and the output head (the embedding when tied)."""
+    out = {}
+    for i, block in enumerate(model.layers):
+        out[f"layers.{i}.attn.qkv_proj"] = block.attn.qkv_proj
+        out[f"layers.{i}.attn.o_proj"] = block.attn.o_proj
+        out[f"layers.{i}.mlp.gate_up_proj"] = block.mlp.gate_up_proj
+        out[f"layers.{i}.mlp.down_proj"] = block.mlp.down_proj
+    if model.lm_head is not None:
+        out["lm_head"] = model.lm_head
+    else:
+        out["embed_tokens"] = model.embed_tokens
+    return out
+
+
+def serving_quantization(
+    asked: str | None, stored: dict[str, tuple[Tensor, Tensor]], model: Any
+) -> str | None:
+    """What a model is served as: what was asked (`--quantize`), else int8 where the file
+    stored every matrix `quantize_model` quantizes as Q8_0 (`stored`: `models.weights.
+    native_q8` of a GGUF's), as llama.cpp serves such a file; else as loaded."""
+    if asked is None and stored and stored.keys() >= quantized_modules(model).keys():
+        return "int8"
+    return asked
+
+
+def quantize_model(model: Any, stored: dict[str, tuple[Tensor, Tensor]] | None = None) -> int:
+    """Q8_0 for every decoder matrix and the output head of `model`
     (models.transformer.Transformer), in place; returns the number of matrices. Each module's
     weight becomes its dequantized value, and its codes and scales are kept as `module.q8`
-    for the fused CPU step, packed by `kernels.pack_q8` where the kernels run. Call it after
-    `kernels.enable_cpu_kernels()`, so they are kept packed (else the fused step packs a copy).
-    A tied head shares the embedding table, which then holds the dequantized values too (as
-    in a Q8_0 GGUF)."""
-    count = 0
-    for block in model.layers:
-        for linear in (
-            block.attn.qkv_proj,
-            block.attn.o_proj,
-            block.mlp.gate_up_proj,
-            block.mlp.down_proj,
-        ):
-            _quantize_linear(linear)
-            count += 1
-    head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    _quantize_linear(head)
-    return count + 1
+    for the fused CPU step, packed by `kernels.pack_q8` where the kernels run. `stored` gives
+    some modules' codes and scales as a file holds them (a Q8_0 GGUF: `models.weights.
+    native_q8`), taken as they are instead of quantizing the loaded weights again. Call it
+    after `kernels.enable_cpu_kernels()`, so they are kept packed (else the fused step packs a
+    copy). A tied head shares the embedding table, which then holds the dequantized values
+    too (as in a Q8_0 GGUF)."""
+    stored = stored or {}
+    modules = quantized_modules(model)
+    for name, module in modules.items():
+        _quantize_linear(module, stored.get(name))
+    return len(modules)
 
 
-def _quantize_linear(module: Any) -> None:
+def _quantize_linear(module: Any, stored: tuple[Tensor, Tensor] | None = None) -> None:
     weight = module.weight
     with torch.no_grad():
-        codes, scales = quantize_q8_0(weight.data.cpu())
+        if stored is not None:
+            codes, scales = stored
+            if codes.shape != weight.shape:
+                shapes = f"{tuple(codes.shape)} for {tuple(weight.shape)}"
+                raise ValueError(f"stored Q8_0 codes {shapes}")
+        else:
+            codes, scales = quantize_q8_0(weight.data.cpu())
         weight.data = dequantize_q8_0(codes, scales, weight.dtype).to(weight.device)
     # Kept in the kernel's layout where the kernels run (the fused step takes it as it is:
     # one int8 copy in memory), else as they are.

@@ -187,6 +187,31 @@ def to_native(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     return canonical_to_native(to_canonical(sd, cfg), cfg)
 
 
+Q8 = tuple[Tensor, Tensor]  # Q8_0 codes int8 [N, K], scales fp32 [N, K / 32]
+
+
+def native_q8(q8: dict[str, Q8], cfg: ModelConfig) -> dict[str, Q8]:
+    """Q8_0 matrices under canonical weight names -> under our module names
+    (`layers.N.attn.qkv_proj`, `lm_head`, or `embed_tokens` for a tied head), fused the way
+    `canonical_to_native` fuses weights: rows concatenated, codes and scales alike. A fused
+    module whose parts are not all Q8_0 is left out."""
+    out: dict[str, Q8] = {}
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    if head in q8:
+        out["embed_tokens" if cfg.tie_word_embeddings else "lm_head"] = q8[head]
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        for canon, native in _NATIVE_PLAIN.items():
+            if pre + f"{canon}.weight" in q8:
+                out[f"layers.{i}.{native}"] = q8[pre + f"{canon}.weight"]
+        for native, parts in _FUSED.items():
+            found = [q8.get(pre + f"{p}.weight") for p in parts]
+            if all(f is not None for f in found):
+                codes, scales = zip(*found, strict=True)
+                out[f"layers.{i}.{native}"] = (torch.cat(codes), torch.cat(scales))
+    return out
+
+
 def to_checkpoint(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     canon = native_to_canonical(sd, cfg)
     return canonical_to_llada(canon) if cfg.weight_format == "llada" else canon

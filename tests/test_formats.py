@@ -205,7 +205,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_gguf(path: Path, hf_model, quantize_ffn: bool) -> None:
+def _write_gguf(path: Path, hf_model, quantize_ffn: bool, quantize_all: bool = False) -> None:
+    """hf_model as llama.cpp writes it: fp32, or Q8_0 for the MLP's matrices (`quantize_ffn`)
+    or for every matrix, embedding and head included (`quantize_all`, a Q8_0 file)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -248,7 +250,8 @@ def _write_gguf(path: Path, hf_model, quantize_ffn: bool) -> None:
             arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
         elif gname.endswith("attn_k.weight"):
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
-        if quantize_ffn and ".ffn_" in gname and "norm" not in gname:
+        matrix = "norm" not in gname
+        if matrix and (quantize_all or (quantize_ffn and ".ffn_" in gname)):
             q = quantize(arr, GGMLQuantizationType.Q8_0)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
         else:
@@ -375,3 +378,50 @@ def test_cdlm_student_loads_as_adapter_or_merged(tmp_path, family):
             logits.append(model.logits(model(ids)))
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
     assert (logits[0] - logits[2]).abs().max().item() > 1e-2  # the adapter changed the model
+
+
+def test_a_q8_0_ggufs_codes_are_kept_as_stored_and_served_as_int8(tmp_path):
+    """A Q8_0 file's codes and scales come through as stored (q/k rows put back in HF order
+    like the weights), and serving takes them as they are: int8 without being asked, the
+    fused step multiplying the file's codes, not codes of its weights quantized again after
+    the bf16 copy rounded them."""
+    from gguf import GGUFReader
+
+    from models import gguf as gguf_file
+    from models import kernels
+    from models.quantize import (
+        dequantize_q8_0,
+        quantize_model,
+        quantize_q8_0,
+        quantized_modules,
+        serving_quantization,
+    )
+    from models.weights import native_q8
+
+    hf = tiny_models.hf_tiny("llama", tmp_path / "hf", intermediate_size=128)
+    _write_gguf(tmp_path / "m.gguf", hf, quantize_ffn=False, quantize_all=True)
+    assert gguf_file.quantized_types(GGUFReader(str(tmp_path / "m.gguf"))) == {"Q8_0": 16}
+    model, ckpt = load_model(tmp_path / "m.gguf", dtype=torch.bfloat16)
+    weights = {
+        k: t
+        for k, t in gguf_file.iter_weights(GGUFReader(str(tmp_path / "m.gguf")), ckpt.raw_config)
+    }
+    assert sorted(ckpt.q8) == sorted(k for k, t in weights.items() if t.dim() == 2)
+    for name, (codes, scales) in ckpt.q8.items():  # exactly what the loaded weights are
+        assert torch.equal(dequantize_q8_0(codes, scales, torch.float32), weights[name]), name
+
+    stored = native_q8(ckpt.q8, ckpt.config)
+    assert stored.keys() == quantized_modules(model).keys()
+    for name, module in quantized_modules(model).items():  # fused as the weights were
+        assert torch.equal(dequantize_q8_0(*stored[name], torch.bfloat16), module.weight), name
+    assert serving_quantization(None, stored, model) == "int8"
+    assert serving_quantization(None, {}, model) is None
+    requantized = {n: quantize_q8_0(m.weight.data) for n, m in quantized_modules(model).items()}
+    assert any(not torch.equal(requantized[n][0], stored[n][0]) for n in stored)
+    kernels.enable_cpu_kernels()
+    quantize_model(model, stored)
+    for name, module in quantized_modules(model).items():
+        codes, scales = stored[name]
+        expect = kernels.pack_q8(codes, scales) or (codes, scales)
+        assert all(torch.equal(a, b) for a, b in zip(module.q8, expect, strict=True)), name
+        assert torch.equal(module.weight, dequantize_q8_0(codes, scales, torch.bfloat16))
