@@ -297,3 +297,41 @@ def test_the_wide_threads_count_is_set_in_torchs_own_openmp_runtime(tmp_path, mo
     thread.start()
     thread.join()
     assert seen == [1, 3, 2]
+
+
+def test_the_wide_thread_keeps_every_core_after_fused_steps_beside_another_openmp(
+    tmp_path, monkeypatch
+):
+    """The failure the setter test above guards, end to end: the fused kernels' extension
+    resets a thread's count to the process default (one, under a share) at its first parallel
+    op there, and the share puts it back before each piece. With another libgomp listed first
+    it put back the wrong runtime's, so every piece after the first ran on one core."""
+    from cpu_features import skip_unless
+    from models import kernels
+
+    skip_unless("avx512-bf16", kernels.enable_cpu_kernels(), "the fused CPU kernels")
+    decoy = tmp_path / "libgomp-decoy.so.1"
+    shutil.copy(core_share._loaded("libgomp")[0], decoy)
+    ctypes.CDLL(str(decoy))
+    real = core_share._loaded
+    monkeypatch.setattr(
+        core_share, "_loaded", lambda name: ([str(decoy)] if name == "libgomp" else []) + real(name)
+    )
+    before = torch.get_num_threads()
+    cores = CoreShare(2)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+
+    def fused_piece() -> int:
+        counts = torch.get_num_threads()
+        kernels._kernel.linear_bf16(x, w, None)  # the extension's first parallel op here
+        return counts
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.extend(cores.run(fused_piece) for _ in range(4)))
+    try:
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 2, 2, 2]  # the count each piece started with, on the wide thread
