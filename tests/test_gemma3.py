@@ -274,3 +274,40 @@ def test_compaction_fits_the_global_layers_and_leaves_the_windows(pair):
             assert all(torch.equal(a, b) for a, b in zip(got, kept, strict=True))
         errors[method] = ((continued(cache) - want).norm() / want.norm()).item()
     assert errors["am-omp"] < 0.6 * errors["random"]
+
+
+def test_decode_steps_attend_through_the_fused_kernel_as_sdpa_does(tmp_path, monkeypatch):
+    """bf16 on the CPU kernels, a decode step on the PyTorch path (Gemma takes no fused step)
+    attends through the fused attention kernel: the window ring's slots out of the window and a
+    shorter row's padding as -inf bias. Two rows of different lengths, past the window (the
+    ring wrapped), get the logits SDPA's path gives, to bf16 rounding."""
+    from cpu_features import skip_unless
+    from engine.model_runner import ModelRunner
+    from models import kernels
+
+    skip_unless("avx512-bf16", kernels.enable_cpu_kernels(), "the fused CPU kernels")
+    tiny_models.hf_tiny("gemma3", tmp_path, head_dim=32)
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    calls = []
+    fused = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or fused(*a))
+    prompts = [_ids(20, 5)[0].tolist(), _ids(11, 6)[0].tolist()]
+    steps = _ids(12, 7, batch=2).tolist()
+
+    def run() -> torch.Tensor:
+        runner, cache = ModelRunner(model), model.new_cache(2, 8)
+        runner.extend([(0, prompts[0]), (1, prompts[1])], cache)
+        out = []
+        with torch.no_grad():
+            for i in range(12):
+                hidden = runner.extend([(0, [steps[0][i]]), (1, [steps[1][i]])], cache)
+                out.append(model.logits(hidden).float())
+        assert cache.logical == [32, 23] and cache.window.ring >= WINDOW
+        return torch.stack(out)
+
+    got = run()
+    assert len(calls) == 12 * 3  # every step, every layer (2 window, 1 global)
+    with kernels.cpu_kernels(False):
+        ref = run()
+    assert len(calls) == 12 * 3
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item()

@@ -240,6 +240,13 @@ def attend_packed(
     )
 
 
+def fuses_decode_attention(q: Tensor, k: Tensor) -> bool:
+    """Whether `decode_attention` runs the fused kernel for q [B, H, D] over k [B, Hkv, S, D]
+    (bf16 on an AVX512-BF16 CPU, nothing for autograd, head_dim a multiple of 32 up to 256)."""
+    d = q.shape[-1]
+    return _fast(q, None, k) and k.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256
+
+
 def decode_attention(
     q: Tensor,
     keys: Tensor,
