@@ -339,6 +339,10 @@ def _whole_buffer(t: Tensor) -> Tensor | None:
     slots = t.stride(1) // d
     if t.stride(0) != hkv * t.stride(1) and b > 1:
         return None
+    # The slots past K must lie in t's own storage (never read past it, whatever t is).
+    last = t.storage_offset() + (b - 1) * t.stride(0) + hkv * t.stride(1)
+    if last * t.element_size() > t.untyped_storage().nbytes():
+        return None
     return t.as_strided((b, hkv, slots, d), t.stride(), t.storage_offset())
 
 
@@ -352,6 +356,8 @@ def _fused_decode(
     cache's own. Returns [B, 1, H * D], or None where it does not apply. SDPA took ~0.5 ms a
     layer for this on Gemma 3 270M's 256-wide heads, the kernel tens of us."""
     if q.shape[2] != 1 or mask.band is not None or mask.reread is not None:
+        return None
+    if mask.visible is not None and mask.visible.shape[-1] != k.shape[2]:
         return None
     if not kernels.fuses_decode_attention(q[:, :, 0], k):
         return None
