@@ -170,3 +170,58 @@ def prompt_text(served: ServedModel, turn: Turn) -> list[int]:
             code="context_length_exceeded",
         )
     return ids
+
+
+# The key under which a stored response's record keeps the input items it was created with
+# (`GET /v1/responses/{id}/input_items`); never part of the response object itself.
+INPUT_ITEMS = "input_items"
+
+
+def input_items(input_: str | list[Any] | None) -> list[dict[str, Any]]:
+    """A request's input (already checked by `parse_input`) as OpenAI lists it: message items
+    with an id, a status and typed text parts; a compaction item as given, with an id."""
+    if isinstance(input_, str):
+        input_ = [{"type": "message", "role": "user", "content": input_}]
+    out: list[dict[str, Any]] = []
+    for item in input_ or []:
+        if item.get("type", "message") == "compaction":
+            out.append({"id": _item_id(), "type": "compaction", **item})
+            continue
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = item.get("content")
+        parts = content if isinstance(content, list) else [{"text": content}]
+        out.append(
+            {
+                "id": _item_id(),
+                "type": "message",
+                "role": item.get("role"),
+                "status": "completed",
+                "content": [{"type": kind, "text": part.get("text", "")} for part in parts],
+            }
+        )
+    return out
+
+
+def _item_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def items_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of a list of items, OpenAI's list object: `order` "desc" is newest first,
+    `after` the id of the item the page follows (404 if no item has it)."""
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise APIError(404, f"no input item {after!r} in this response", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }

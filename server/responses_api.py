@@ -24,9 +24,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from engine import model_work
@@ -37,7 +37,16 @@ from server import planning, streaming
 from server.compactions import compact
 from server.errors import APIError
 from server.planning import Choice, UsageCount, record, run_choices, usage
-from server.response_input import Turn, continuation_ids, first_prompt, parse_input, prompt_text
+from server.response_input import (
+    INPUT_ITEMS,
+    Turn,
+    continuation_ids,
+    first_prompt,
+    input_items,
+    items_page,
+    parse_input,
+    prompt_text,
+)
 from server.response_schemas import ResponseCompactRequest, ResponseCreateRequest
 from server.schemas import (
     SESSION_ERROR_RESPONSES,
@@ -368,7 +377,7 @@ async def _commit(state: ServerState, answer: Answer, session: Session | None) -
         return
     if answer.finish not in ("stop", "length"):  # aborted: the engine wrote nothing back
         raise APIError(499, "the response was not finished")
-    session.response = answer.body(True)
+    session.response = {**answer.body(True), INPUT_ITEMS: input_items(answer.req.input)}
     session.dirty = True
     try:
         await persist(state.sessions, session)
@@ -431,7 +440,30 @@ async def get_response(rid: str, state: State) -> dict[str, Any]:
     await catch_up(state.sessions, session)
     if session.response is None:  # replaced meanwhile by a copy that is not a response
         raise _not_found(rid, "response_id")
-    return session.response
+    return {k: v for k, v in session.response.items() if k != INPUT_ITEMS}
+
+
+@router.get(
+    "/v1/responses/{rid}/input_items",
+    operation_id="list_input_items",
+    responses=SESSION_ERROR_RESPONSES,
+    response_model=None,
+)
+async def list_input_items(
+    rid: str,
+    state: State,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = Query(None, max_length=128),
+) -> dict[str, Any]:
+    """The input items the response was created with (OpenAI's list: newest first unless
+    `order=asc`, `limit` a page, `after` an item id). A response stored before the server kept
+    them lists none."""
+    session = await _stored(state, rid, "response_id")
+    await catch_up(state.sessions, session)
+    if session.response is None:
+        raise _not_found(rid, "response_id")
+    return items_page(session.response.get(INPUT_ITEMS, []), limit, order, after)
 
 
 @router.delete(

@@ -350,3 +350,41 @@ def test_a_cut_answer_s_last_token_is_kept_even_where_it_looks_like_the_turn_s_e
     )
     turn = Turn([{"role": "user", "content": "Q"}])
     assert continuation_ids(served, turn, ord("\n"), None) == list(b"\n<user>Q\n<assistant>")
+
+
+def test_a_responses_input_items_are_listed_as_the_sdk_reads_them(client, base, store):
+    """`GET /v1/responses/{id}/input_items` (the SDK's `responses.input_items.list`): the input
+    the response was created with, newest first by default, in pages; the record on disk keeps
+    them, and the response object itself does not carry them."""
+    first = client.responses.create(input="My name is Ada.", **ANSWER)
+    items = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [
+        ("message", "user", "My name is Ada.")
+    ]
+    turn = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "And mine?"}]},
+        {"role": "assistant", "content": "Ada."},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    second = client.responses.create(input=turn, previous_response_id=first.id, **ANSWER)
+    newest = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in newest.data] == [
+        "What is my name?", "Ada.", "And mine?", "Be brief."
+    ]  # fmt: skip
+    assert newest.data[1].content[0].type == "output_text" and newest.data[3].role == "developer"
+    oldest = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.content[0].text for i in oldest.data] == ["Be brief.", "And mine?"]
+    assert oldest.has_more and oldest.last_id == oldest.data[-1].id
+    rest = client.responses.input_items.list(second.id, order="asc", after=oldest.last_id)
+    assert [i.content[0].text for i in rest.data] == ["Ada.", "What is my name?"]
+    assert not rest.has_more
+    assert len(_meta(store, second.id)["response"]["input_items"]) == 4
+    assert "input_items" not in httpx.get(f"{base}/v1/responses/{second.id}").json()
+    for url, code in (
+        (f"{base}/v1/responses/nope/input_items", 404),
+        (f"{base}/v1/responses/{second.id}/input_items?after=msg_x", 404),
+        (f"{base}/v1/responses/{second.id}/input_items?limit=0", 400),
+        (f"{base}/v1/responses/{second.id}/input_items?order=sideways", 400),
+    ):
+        assert httpx.get(url).status_code == code, url
