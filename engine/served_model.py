@@ -163,6 +163,7 @@ def load_served_model(
         count = share.run(lambda: quantize_model(model, stored)) if quantize == "int8" else 0
     if quantize == "int8":
         fused = device.type == "cpu" and kernels.cpu_has_bf16_dot() and dtype == torch.bfloat16
+        fused = fused and kernels.fused_step_takes(ckpt.config)
         log.info(
             "%s: %d matrices int8 (Q8_0; %d with the file's own codes); %s",
             name,
@@ -170,7 +171,8 @@ def load_served_model(
             len(stored),
             "decode steps multiply them as int8 (AVX512-VNNI)"
             if fused
-            else "dequantized for this device/dtype: answers as int8, no speed gain here",
+            else "dequantized for this device, dtype or family (no fused step): answers as "
+            "int8, no speed gain here",
         )
     tokenizer = load_tokenizer(ckpt.tokenizer_folder or path)
     limit = min(

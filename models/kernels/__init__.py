@@ -283,6 +283,12 @@ def pack_q8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor] | None:
     return packed, packed_scales
 
 
+def fused_step_takes(cfg: Any) -> bool:
+    """Whether the fused decode step implements this config's model (where the kernels run):
+    the Llama-shaped block, head_dim a multiple of 32."""
+    return _llama_shaped(cfg) and cfg.head_dim % 32 == 0
+
+
 def _llama_shaped(cfg: Any) -> bool:
     """Whether a config is the block the fused step implements: pre-norm only, SwiGLU,
     plain embeddings and scale, every layer global."""
