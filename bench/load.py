@@ -58,6 +58,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def commit_of(checkout: Path) -> str:
+    """The short commit a checkout's HEAD is at ("?" where git cannot say)."""
+    git = ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "?"
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

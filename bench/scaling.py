@@ -23,43 +23,36 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.load import free_port, rss_mb, run_load, start, stop, summary
+from bench.load import commit_of, free_port, rss_mb, run_load, start, stop, summary
 from models.sources import DEFAULT_AR_MODEL, resolve
 
 
-def _commit(checkout: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() or "?"
-
-
-def _env(checkout: Path, primary: bool) -> dict[str, str]:
+def _env(commit: str, primary: bool) -> dict[str, str]:
     """The server's environment: another checkout's kernels build in a folder of their own."""
     env = dict(os.environ)
     if not primary:
         env["TORCH_EXTENSIONS_DIR"] = str(
-            Path.home() / ".cache" / "torch_extensions" / f"cdlm-{_commit(checkout)}"
+            Path.home() / ".cache" / "torch_extensions" / f"cdlm-{commit}"
         )
     return env
 
 
-def one_point(args: argparse.Namespace, checkout: Path, primary: bool, c: int, count) -> dict:
-    """One server of `checkout` at max batch c under c clients; bench.load's summary + RSS."""
+def one_point(
+    args: argparse.Namespace, checkout: Path, commit: str, primary: bool, c: int, count
+) -> dict:
+    """One server of `checkout` (at `commit`) at max batch c under c clients; bench.load's
+    summary + RSS."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", f"m={resolve(args.model)}"]
     cmd += ["--port", str(port), "--dtype", "bfloat16", "--device", "cpu"]
     cmd += ["--max-batch", str(c), "--log-level", "warning"]
     cmd += ["--quantize", args.quantize] if args.quantize else []
-    log = args.logs / f"bench_scaling_{_commit(checkout)}_{c}.log"
-    proc = start(cmd, url, log, cwd=checkout, env=_env(checkout, primary))
+    log = args.logs / f"bench_scaling_{commit}_{c}.log"
+    proc = start(cmd, url, log, cwd=checkout, env=_env(commit, primary))
     try:
         asyncio.run(run_load(url, "m", c, c, 0, 8, count))  # warm: every row once
         r = asyncio.run(
@@ -83,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = p.parse_args(argv)
     checkouts = [c.resolve() for c in (args.checkout or [Path.cwd()])]
+    commits = {c: commit_of(c) for c in checkouts}
 
     from transformers import AutoTokenizer
 
@@ -95,9 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.repeats):
         for c in args.concurrency:
             for i, checkout in enumerate(checkouts):
-                point = one_point(args, checkout, i == 0, c, count)
+                point = one_point(args, checkout, commits[checkout], i == 0, c, count)
                 runs[str(checkout)].setdefault(c, []).append(point)
-                print(f"{_commit(checkout)} c={c}: {point['tok_s']} tok/s", flush=True)
+                print(f"{commits[checkout]} c={c}: {point['tok_s']} tok/s", flush=True)
 
     out: dict = {
         "model": args.model,
@@ -123,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         for prev, point in itertools.pairwise(points):
             point["vs_previous"] = round(point["tok_s"] / prev["tok_s"], 2)
-        out["checkouts"][f"{_commit(checkout)} ({checkout})"] = points
+        out["checkouts"][f"{commits[checkout]} ({checkout})"] = points
     _print(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

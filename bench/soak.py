@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load import stop
+from bench.load import commit_of, stop
 from bench.mixed import PHASES, RssSampler, add_server_args, start_server
 
 GOAL_GROWTH_PCT = 2.0
@@ -168,11 +167,6 @@ def _print(result: dict) -> None:
     )
 
 
-def _commit(checkout: Path) -> str:
-    git = ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"]
-    return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "?"
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_server_args(p)
@@ -203,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         "server_args": args.server_args,
         "minutes": args.minutes,
         "label": f"bench.soak --minutes {args.minutes:g} {args.server_args}, "
-        f"checkout {args.checkout.resolve()} @ {_commit(args.checkout)}",
+        f"checkout {args.checkout.resolve()} @ {commit_of(args.checkout)}",
         "load": load,
         "samples": sampler.samples,
         "verdict": verdict(sampler.samples, 60 * args.settle_minutes, errors),

@@ -306,9 +306,7 @@ def decode_stack(model: Any) -> Any | None:
     model and kept on it; rebuilt if its weights are replaced."""
     cfg = model.config
     weight = model.embed_tokens.weight
-    if not (_fast(weight) and cfg.head_dim % 32 == 0) or weight.requires_grad:
-        return None
-    if not _llama_shaped(cfg):
+    if not _fast(weight) or weight.requires_grad or not fused_step_takes(cfg):
         return None
     cached = _built_stack(model)
     if cached is not None:
