@@ -42,6 +42,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def app_in_thread(app, healthy_within: float | None = 120.0) -> Iterator[str]:
+    """Serve an ASGI `app` with uvicorn on a free 127.0.0.1 port in a thread of this process
+    (its state stays reachable from the test); yields the base URL once /health answers 200
+    (within `healthy_within` seconds), or, with None, once it accepts connections at all (a
+    server still loading answers 503). Shuts the server down on exit."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + (healthy_within or 5.0)
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"{base}/health", timeout=2).status_code
+                if healthy_within is None or status == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def tree_snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:
     """Everything under `folder`, recursively (links not followed; what is inside `but` left
     out), by relative path: a folder as ("dir",), a link with its target, a file with its

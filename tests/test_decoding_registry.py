@@ -4,8 +4,6 @@ with no change anywhere else."""
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -14,7 +12,7 @@ import torch
 from torch import Tensor
 
 import tiny_models
-from conftest import free_port
+from conftest import app_in_thread
 from engine.dlm_engine import DLMEngine, DLMParams
 from engine.dlm_modes import MODES, DecodeContext, DecodingMode, register, unregister
 from engine.dlm_modes.base import padded_tokens
@@ -101,8 +99,6 @@ def test_an_unregistered_mode_is_refused(llada_dir):
 
 
 def test_a_registered_mode_is_served_over_http(one_pass, llada_dir, tmp_path):
-    import uvicorn
-
     from server.app import create_app
     from server.state import ModelSpec, ServerSettings
 
@@ -112,22 +108,7 @@ def test_a_registered_mode_is_served_over_http(one_pass, llada_dir, tmp_path):
         torch.float32,
         sessions_dir=tmp_path,
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.1)
+    with app_in_thread(create_app(settings), healthy_within=120) as base:
         body = {"model": "dlm", "prompt": "ab", "max_tokens": 16, "block_size": 8}
         r = httpx.post(f"{base}/v1/completions", json={**body, "decoding": one_pass.name})
         assert r.status_code == 200, r.text
@@ -137,6 +118,3 @@ def test_a_registered_mode_is_served_over_http(one_pass, llada_dir, tmp_path):
         assert one_pass.name in props["decoding"]["enum"]
         r = httpx.post(f"{base}/v1/completions", json={**body, "decoding": "no_such_mode"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "decoding"
-    finally:
-        server.should_exit = True
-        thread.join(10)

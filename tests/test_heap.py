@@ -162,9 +162,7 @@ def trimmed_server(tiny_llama_dir, tmp_path):
     """An in-process server of the tiny model whose trimmer trims only when woken (no periodic
     trim within the test), with a stand-in libc that says when malloc_trim was called; yields
     (its URL, the trimmer, the server's state): in-process, a test sees what the server holds."""
-    import uvicorn
-
-    from conftest import free_port
+    from conftest import app_in_thread
     from server.app import create_app
     from server.state import ModelSpec
 
@@ -178,24 +176,8 @@ def trimmed_server(tiny_llama_dir, tmp_path):
     app = create_app(settings)
     trimmer = RecordingTrimmer(every_s=3600, soon_s=0, libc=FakeLibc())
     app.state.server.heap = trimmer  # before the lifespan starts it (ServerState.load_all)
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with app_in_thread(app, healthy_within=60) as base:
         yield base, trimmer, app.state.server
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _armed(trimmer: RecordingTrimmer, big_bytes: int) -> int:

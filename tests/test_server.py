@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import free_port, running_server
+from conftest import app_in_thread, running_server
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,6 @@ def test_openai_client(base):
 
 
 def test_health_is_503_while_models_load(tmp_path):
-    import uvicorn
-
     from server.app import create_app
     from server.state import ModelSpec, ServerSettings
 
@@ -169,32 +167,17 @@ def test_health_is_503_while_models_load(tmp_path):
     settings = ServerSettings(
         [ModelSpec("x", "x")], torch.device("cpu"), torch.float32, sessions_dir=tmp_path
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings, slow_loader), host="127.0.0.1", port=port, log_level="warning"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                r = httpx.get(f"{base}/health")
-                break
-            except httpx.ConnectError:
-                time.sleep(0.05)
-        assert r.status_code == 503 and r.json()["status"] == "loading"
-        r = _post(base, {"model": "x", "prompt": "y"})
-        assert r.status_code == 503 and r.headers["retry-after"]
-        release.set()
-        time.sleep(0.2)
-        assert httpx.get(f"{base}/health").status_code == 200
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(10)
+    with app_in_thread(create_app(settings, slow_loader), healthy_within=None) as base:
+        try:
+            r = httpx.get(f"{base}/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            r = _post(base, {"model": "x", "prompt": "y"})
+            assert r.status_code == 503 and r.headers["retry-after"]
+            release.set()
+            time.sleep(0.2)
+            assert httpx.get(f"{base}/health").status_code == 200
+        finally:
+            release.set()
 
 
 def _prefix_counters(base: str) -> tuple[float, float]:
