@@ -4,7 +4,7 @@ and against StreamingLLM held to the same size.
 
     python -m bench.online_compaction [--tokens 8000] [--chunk 256] [--max-tokens 768]
                                       [--ratio 4] [--keep-recent 128] [--contexts 3]
-                                      [--json out.json]
+                                      [--curve-every N] [--json out.json]
 
 The text is Jane Austen (or `--text`, as bench.compaction takes it) of `--tokens` tokens with
 `--facts` synthetic facts spread through it. Each run starts from an empty cache and appends
@@ -15,7 +15,12 @@ says (whenever the cache is past `--max-tokens` physical slots: the part before 
 facts go through many compactions. Then every run answers the facts' questions (and their
 paraphrases) from its final cache: the fraction of the full cache's benefit kept, as in
 bench.compaction, the physical size it ended at and the largest it reached, its bytes, and
-how many compactions it took and how long; medians over `--contexts` contexts.
+how many compactions it took and how long (all, and the longest one); medians over
+`--contexts` contexts. Also per run: the facts kept in each quarter of the context, earliest
+first (where a run's facts come from), and with `--curve-every N` the curve of facts kept
+against tokens read, measured every N tokens on the facts read by then against the full cache
+at the same point (`--tokens 32000 --chunk 1024 --facts 80 --curve-every 4096`: 32K tokens,
+a compaction after each 1K appended).
 """
 
 from __future__ import annotations
@@ -24,22 +29,36 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
-from bench.facts import Probe, kept, make_context, measure
+from bench.facts import Probe, answer_nll, kept, make_context, measure
 from engine.auto_compaction import AutoCompact
-from engine.kv_compaction import compact_row
+from engine.kv_compaction import CompactionReport, compact_row
 from models import kernels
+from models.kv_cache import KVCache
 from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
 
 
-def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
+def feed(
+    model,
+    tok,
+    ids: list[int],
+    args,
+    method: str | None,
+    checkpoint: Callable[[int, KVCache], None] | None = None,
+) -> dict:
     """Append `ids` chunk by chunk, compacting by the policy after each (no compaction for
-    method None). Returns the final cache and what happened on the way."""
+    method None). Returns the final cache and what happened on the way. `checkpoint(fed,
+    cache)` is called after each append (and its compaction) that crosses a multiple of
+    `args.curve_every` tokens, and after the last."""
+    every = getattr(args, "curve_every", 0) or len(ids)
     policy, schedule = None, None
     if method is not None:
         # METHOD[+int8][+attn|+measured], as bench.compaction's flags; the policy's own query
@@ -62,37 +81,55 @@ def feed(model, tok, ids: list[int], args, method: str | None) -> dict:
             cache.ensure_capacity(cache.lengths[0] + len(chunk))
             model(torch.tensor([chunk], device=model.device), cache=cache)
             largest = max(largest, cache.lengths[0])
+            fed = start + len(chunk)
             physical = cache.lengths[0]
-            if policy is None or not policy.due(physical):
-                continue
-            target = policy.target(physical)
-            if target is None:
-                continue
-            report = compact_row(
-                model,
-                tok,
-                cache,
-                0,
-                ids[: start + len(chunk)],
-                target,
-                policy.method,
-                policy.query_source,
-                policy.keep_recent,
-                quantize=policy.quantize,
-                budgets=policy.budgets,
-                schedule=schedule,
-                segment_slots=reports[-1].segment_slots if reports else None,
-                longest=policy.longest(target),
-            )
-            seconds += report.seconds["total"]
-            reports.append(report)
+            target = policy.target(physical) if policy and policy.due(physical) else None
+            if policy is not None and target is not None:
+                last = reports[-1].segment_slots if reports else None
+                reports.append(
+                    _compact(model, tok, cache, ids[:fed], target, policy, schedule, last)
+                )
+                seconds += reports[-1].seconds["total"]
+            if checkpoint is not None and (fed // every > start // every or fed == len(ids)):
+                checkpoint(fed, cache)
     return {
         "cache": cache,
         "largest": largest,
         "compactions": len(reports),
         "seconds": seconds,
         "bytes": resident_bytes(cache, reports[-1]) if reports else cache.nbytes(0),
+        "longest_s": max((r.seconds["total"] for r in reports), default=0.0),
     }
+
+
+def _compact(
+    model,
+    tok,
+    cache: KVCache,
+    history: list[int],
+    target: int,
+    policy: AutoCompact,
+    schedule: list[list[float]] | None,
+    segment: int | None,
+) -> CompactionReport:
+    """Row 0 compacted to `target` as the policy says (what the server's auto-compaction
+    runs); `segment`: the last compaction's segment_slots."""
+    return compact_row(
+        model,
+        tok,
+        cache,
+        0,
+        history,
+        target,
+        policy.method,
+        policy.query_source,
+        policy.keep_recent,
+        quantize=policy.quantize,
+        budgets=policy.budgets,
+        schedule=schedule,
+        segment_slots=segment,
+        longest=policy.longest(target),
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -108,8 +145,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["am-highest-fast", "am-highest-fast+int8", "am-omp-fast", "streaming"],
+        default=["am-highest-fast", "am-highest-fast+int8", "am-omp-fast", "streaming", "h2o"],
     )
+    # The curve of facts kept against tokens read: every run measured each N tokens on the
+    # facts read by then (0: at the end only). `--tokens 32000 --chunk 1024 --facts 80
+    # --curve-every 4096` is the 32K curve (a compaction after every 1K appended).
+    p.add_argument("--curve-every", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     # One context's run is noisy: the same policy with repeat-banded vs repeat queries in its
@@ -153,19 +194,91 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         recon_prompt=encode("\n\n") + ids[:1],
         recon_target=ids[1:65],
     )
+    ends = [
+        len(encode(context[: context.index(f.statement[:-1]) + len(f.statement) - 1]))
+        for f in facts
+    ]  # the tokens fed once each fact has been read
     none = measure(model, None, probe, em=False)
+    none_each = _fact_nlls(model, None, probe, range(len(facts)))
     started = time.perf_counter()
-    full = feed(model, tok, ids, args, None)
+    full_curve = _Curve(model, probe, ends)
+    full = feed(model, tok, ids, args, None, full_curve.at if args.curve_every else None)
     fed = time.perf_counter() - started
     print(f"context {c}: {len(ids)} tokens, {len(facts)} facts; the full cache fed in {fed:.0f} s")
     base = measure(model, full["cache"], probe, em=False)
+    full_each = _fact_nlls(model, full["cache"], probe, range(len(facts)))
     rows = [_row("full cache", full, base, none, base) | {"context": c}]
     for method in args.methods:
-        run = feed(model, tok, ids, args, method)
+        curve = _Curve(model, probe, ends)
+        run = feed(model, tok, ids, args, method, curve.at if args.curve_every else None)
         got = measure(model, run["cache"], probe, em=False)
-        rows.append(_row(method, run, got, none, base) | {"context": c})
+        got_each = _fact_nlls(model, run["cache"], probe, range(len(facts)))
+        rows.append(
+            _row(method, run, got, none, base)
+            | {
+                "context": c,
+                "by_depth": _by_depth(none_each, full_each, got_each),
+                "curve": curve.kept(none_each, full_curve),
+            }
+        )
         print(_line(method, rows[-1:]), flush=True)
     return rows
+
+
+def _fact_nlls(model, cache: KVCache | None, probe: Probe, which) -> dict[int, float]:
+    """Each fact's answer NLL after its question (`bench.facts.answer_nll`), for the facts
+    `which` (their indices: the facts are in the order they appear in the context)."""
+    return {i: answer_nll(model, cache, *probe.facts[i]) for i in which}
+
+
+def _by_depth(none: dict[int, float], full: dict[int, float], got: dict[int, float]) -> list:
+    """The facts kept (`kept` of the means, as the headline) in each quarter of the context,
+    earliest first: where what a run keeps comes from. A run that holds only the recent
+    tokens still gains on old facts, since the answer's form (a code word from the same
+    list, a dash, three digits) is learnt from any fact it holds."""
+    n = len(none)
+    quarters = [range(q * n // 4, (q + 1) * n // 4) for q in range(4)]
+
+    def mean(d: dict[int, float], idx: range) -> float:
+        return statistics.mean(d[i] for i in idx)
+
+    return [round(kept(mean(none, q), mean(full, q), mean(got, q)), 3) for q in quarters]
+
+
+@dataclass(eq=False)
+class _Curve:
+    """A run's facts NLLs at its checkpoints: those of the facts read by then."""
+
+    model: Any
+    probe: Probe
+    ends: list[int]  # tokens fed once each fact has been read
+    points: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def at(self, fed: int, cache: KVCache) -> None:
+        seen = [i for i, end in enumerate(self.ends) if end <= fed]
+        self.points[fed] = _fact_nlls(self.model, cache, self.probe, seen)
+
+    def kept(self, none: dict[int, float], full: _Curve) -> list[dict]:
+        """Per checkpoint: tokens fed, facts read, this run's facts NLL, the full cache's
+        there, and the share of the full cache's benefit this run keeps."""
+        out = []
+        for fed, got in self.points.items():
+            if not got:
+                continue
+            seen = list(got)
+            nll = statistics.mean(got.values())
+            reference = statistics.mean(full.points[fed][i] for i in seen)
+            nothing = statistics.mean(none[i] for i in seen)
+            out.append(
+                {
+                    "tokens": fed,
+                    "facts": len(seen),
+                    "nll": round(nll, 4),
+                    "full_nll": round(reference, 4),
+                    "kept": round(kept(nothing, reference, nll), 3),
+                }
+            )
+        return out
 
 
 def _row(name: str, run: dict, got: dict, none: dict, full: dict) -> dict:
@@ -182,6 +295,7 @@ def _row(name: str, run: dict, got: dict, none: dict, full: dict) -> dict:
         "para_kept": kept(none["para"], full["para"], got["para"]),
         "cont_kept": kept(none["cont"], full["cont"], got["cont"]),
         "facts_nll": got["facts"],
+        "longest_s": round(run["longest_s"], 1),
     }
 
 
@@ -195,8 +309,42 @@ def _print(rows: list[dict], args) -> None:
         f"{'run':<22}{'logical':>8}{'physical':>9}{'largest':>9}{'MB':>9}{'comp.':>6}"
         f"{'comp. s':>8}{'facts':>18}{'para':>18}{'cont':>18}"
     )
-    for name in dict.fromkeys(r["run"] for r in rows):
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    for name in names:
         print(_line(name, [r for r in rows if r["run"] == name]))
+    methods = [n for n in names if n != "full cache"]
+    print("\nfacts kept by where they stand in the context (quarters, earliest first), medians")
+    for name in methods:
+        quarters = zip(*(r["by_depth"] for r in rows if r["run"] == name), strict=True)
+        print(f"{name:<22}" + "".join(f"{statistics.median(q):8.2f}" for q in quarters))
+    if args.curve_every:
+        _print_curve(rows, methods)
+
+
+def _print_curve(rows: list[dict], methods: list[str]) -> None:
+    """Facts kept against tokens read: medians over contexts at each checkpoint, with the
+    facts' mean answer NLL (the full cache's, and each run's) beside it."""
+    print("\nfacts kept (of those read so far) against tokens read, medians over contexts;")
+    print("in brackets the facts' answer NLL")
+    head = "".join(f"{m[:20]:>22}" for m in methods)
+    print(f"{'tokens':>8}{'facts':>7}{'full NLL':>10}{head}")
+    points: dict[int, dict[str, list[dict]]] = {}
+    for r in rows:
+        for p in r.get("curve", []):
+            points.setdefault(p["tokens"], {}).setdefault(r["run"], []).append(p)
+    for tokens, runs in sorted(points.items()):
+        some = next(iter(runs.values()))
+        facts = statistics.median(p["facts"] for p in some)
+        full = statistics.median(p["full_nll"] for p in some)
+        cells = []
+        for m in methods:
+            got = runs.get(m, [])
+            if not got:
+                cells.append(f"{'-':>22}")
+                continue
+            kept_, nll = (statistics.median(p[k] for p in got) for k in ("kept", "nll"))
+            cells.append(f"{kept_:>14.2f} ({nll:5.2f})")
+        print(f"{tokens:>8}{facts:>7.0f}{full:>10.2f}" + "".join(cells))
 
 
 def _line(name: str, runs: list[dict]) -> str:

@@ -311,3 +311,52 @@ def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
     assert run["cache"].lengths[0] <= args.max_tokens and run["cache"].logical == [400]
     # Each compaction left room for at least one chunk: 400 tokens took fewer than one each.
     assert 3 <= run["compactions"] < len(ids) // args.chunk - 2
+
+
+def test_the_online_bench_measures_its_curve_after_each_compaction(tiny_llama_dir):
+    """bench/online_compaction.py's curve: `feed` hands its checkpoint the cache after each
+    append that crosses a multiple of curve_every (the compaction done: what a request would
+    see), and after the last; each point measures the facts read by then, against the full
+    cache's at the same point."""
+    import argparse
+
+    import tiny_models
+    from bench.facts import Probe, answer_nll
+    from bench.online_compaction import _Curve, feed
+    from models.loading import load_model
+
+    model, _ = load_model(tiny_llama_dir)
+    tok = tiny_models.byte_tokenizer()
+    ids = [(7 * i) % 200 + 3 for i in range(300)]
+    args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32, curve_every=100)
+    facts = [([40, 41], [50, 51]), ([60, 61], [70]), ([80], [90, 91])]
+    probe = Probe(facts, facts, [1, 2], [3], [4])
+    ends = [50, 150, 290]  # read by 50, 150, 290 tokens
+    seen = []
+
+    def checkpoint(fed, cache):
+        seen.append((fed, cache.lengths[0], cache.logical[0]))
+        curve.at(fed, cache)
+
+    curve = _Curve(model, probe, ends)
+    feed(model, tok, ids, args, "am-highest-fast", checkpoint)
+    assert [fed for fed, _, _ in seen] == [128, 224, 300]
+    assert all(physical <= args.max_tokens and logical == fed for fed, physical, logical in seen)
+    assert [list(curve.points[fed]) for fed, _, _ in seen] == [[0], [0, 1], [0, 1, 2]]
+    full = _Curve(model, probe, ends)
+    run = feed(model, tok, ids, args, None, full.at)
+    assert run["cache"].lengths == [300]
+    last = full.points[300][2]
+    assert abs(last - answer_nll(model, run["cache"], *facts[2])) < 1e-5
+    none = {i: answer_nll(model, None, *f) for i, f in enumerate(facts)}
+    points = curve.kept(none, full)
+    assert [(p["tokens"], p["facts"]) for p in points] == [(128, 1), (224, 2), (300, 3)]
+    assert all(p["kept"] == 1.0 for p in full.kept(none, full))  # the full cache keeps it all
+    assert any(p["kept"] != 1.0 for p in points)
+    # Facts kept by quarter of the context: the earliest quarter's facts as the full cache
+    # knows them, the others as if there were no context.
+    from bench.online_compaction import _by_depth
+
+    none8 = {i: 5.0 for i in range(8)}
+    full8 = {i: 1.0 for i in range(8)}
+    assert _by_depth(none8, full8, {i: 1.0 if i < 2 else 5.0 for i in range(8)}) == [1, 0, 0, 0]
