@@ -19,8 +19,11 @@ how many compactions it took and how long (all, and the longest one); medians ov
 `--contexts` contexts. Also per run: the facts kept in each quarter of the context, earliest
 first (where a run's facts come from), and with `--curve-every N` the curve of facts kept
 against tokens read, measured every N tokens on the facts read by then against the full cache
-at the same point (`--tokens 32000 --chunk 1024 --facts 80 --curve-every 4096`: 32K tokens,
-a compaction after each 1K appended).
+at the same point (`--tokens 32000 --chunk 1024 --facts 80 --curve-every 2048`: 32K tokens,
+a compaction after each 1K appended). The full cache is fed only as far as the model's
+context (`max_position_embeddings` less 512 for the questions): past it, the curve has each
+run's facts NLL without a share kept, and the summary's shares are against that shorter
+full cache.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     # The curve of facts kept against tokens read: every run measured each N tokens on the
     # facts read by then (0: at the end only). `--tokens 32000 --chunk 1024 --facts 80
-    # --curve-every 4096` is the 32K curve (a compaction after every 1K appended).
+    # --curve-every 2048` is the 32K curve (a compaction after every 1K appended).
     p.add_argument("--curve-every", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
@@ -202,9 +205,16 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
     none_each = _fact_nlls(model, None, probe, range(len(facts)))
     started = time.perf_counter()
     full_curve = _Curve(model, probe, ends)
-    full = feed(model, tok, ids, args, None, full_curve.at if args.curve_every else None)
+    # The full cache is the reference within the model's context only: past it the model
+    # reads positions it was never trained on (a compacted session keeps its logical
+    # positions too), and its O(T^2) feed is most of a 32K run.
+    reach = min(len(ids), model.config.max_position_embeddings - 512)
+    full = feed(model, tok, ids[:reach], args, None, full_curve.at if args.curve_every else None)
     fed = time.perf_counter() - started
-    print(f"context {c}: {len(ids)} tokens, {len(facts)} facts; the full cache fed in {fed:.0f} s")
+    print(
+        f"context {c}: {len(ids)} tokens, {len(facts)} facts; the full cache "
+        f"({reach} tokens) fed in {fed:.0f} s"
+    )
     base = measure(model, full["cache"], probe, em=False)
     full_each = _fact_nlls(model, full["cache"], probe, range(len(facts)))
     rows = [_row("full cache", full, base, none, base) | {"context": c}]
@@ -267,17 +277,13 @@ class _Curve:
                 continue
             seen = list(got)
             nll = statistics.mean(got.values())
-            reference = statistics.mean(full.points[fed][i] for i in seen)
-            nothing = statistics.mean(none[i] for i in seen)
-            out.append(
-                {
-                    "tokens": fed,
-                    "facts": len(seen),
-                    "nll": round(nll, 4),
-                    "full_nll": round(reference, 4),
-                    "kept": round(kept(nothing, reference, nll), 3),
-                }
-            )
+            point = {"tokens": fed, "facts": len(seen), "nll": round(nll, 4)}
+            point |= {"none_nll": round(statistics.mean(none[i] for i in seen), 4)}
+            if fed in full.points:  # within the full cache's reach
+                reference = statistics.mean(full.points[fed][i] for i in seen)
+                point["full_nll"] = round(reference, 4)
+                point["kept"] = round(kept(point["none_nll"], reference, nll), 3)
+            out.append(point)
         return out
 
 
@@ -325,9 +331,10 @@ def _print_curve(rows: list[dict], methods: list[str]) -> None:
     """Facts kept against tokens read: medians over contexts at each checkpoint, with the
     facts' mean answer NLL (the full cache's, and each run's) beside it."""
     print("\nfacts kept (of those read so far) against tokens read, medians over contexts;")
-    print("in brackets the facts' answer NLL")
+    print("in brackets the facts' answer NLL; past the full cache's reach (the model's")
+    print("context) only the NLL, against none's (no context) and each other's")
     head = "".join(f"{m[:20]:>22}" for m in methods)
-    print(f"{'tokens':>8}{'facts':>7}{'full NLL':>10}{head}")
+    print(f"{'tokens':>8}{'facts':>7}{'none NLL':>10}{'full NLL':>10}{head}")
     points: dict[int, dict[str, list[dict]]] = {}
     for r in rows:
         for p in r.get("curve", []):
@@ -335,16 +342,19 @@ def _print_curve(rows: list[dict], methods: list[str]) -> None:
     for tokens, runs in sorted(points.items()):
         some = next(iter(runs.values()))
         facts = statistics.median(p["facts"] for p in some)
-        full = statistics.median(p["full_nll"] for p in some)
+        none = statistics.median(p["none_nll"] for p in some)
+        within = all("kept" in p for p in some)
+        full = f"{statistics.median(p['full_nll'] for p in some):>10.2f}" if within else "-"
         cells = []
         for m in methods:
             got = runs.get(m, [])
             if not got:
                 cells.append(f"{'-':>22}")
                 continue
-            kept_, nll = (statistics.median(p[k] for p in got) for k in ("kept", "nll"))
-            cells.append(f"{kept_:>14.2f} ({nll:5.2f})")
-        print(f"{tokens:>8}{facts:>7.0f}{full:>10.2f}" + "".join(cells))
+            nll = statistics.median(p["nll"] for p in got)
+            share = f"{statistics.median(p['kept'] for p in got):.2f}" if within else "-"
+            cells.append(f"{share:>14} ({nll:5.2f})")
+        print(f"{tokens:>8}{facts:>7.0f}{none:>10.2f}{full:>10}" + "".join(cells))
 
 
 def _line(name: str, runs: list[dict]) -> str:
