@@ -20,10 +20,10 @@ how many compactions it took and how long (all, and the longest one); medians ov
 first (where a run's facts come from), and with `--curve-every N` the curve of facts kept
 against tokens read, measured every N tokens on the facts read by then against the full cache
 at the same point (`--tokens 32000 --chunk 1024 --facts 80 --curve-every 2048`: 32K tokens,
-a compaction after each 1K appended). The full cache is fed only as far as the model's
-context (`max_position_embeddings` less 512 for the questions): past it, the curve has each
-run's facts NLL without a share kept, and the summary's shares are against that shorter
-full cache.
+a compaction after each 1K appended). A text longer than the model's context
+(`max_position_embeddings`) is fed to the full cache only up to that less 512 (room for the
+questions): past it the curve has each run's facts NLL without a share kept, and the
+summary's shares are against that shorter full cache.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
     # The full cache is the reference within the model's context only: past it the model
     # reads positions it was never trained on (a compacted session keeps its logical
     # positions too), and its O(T^2) feed is most of a 32K run.
-    reach = min(len(ids), model.config.max_position_embeddings - 512)
+    window = model.config.max_position_embeddings
+    reach = len(ids) if len(ids) <= window else window - 512
     full = feed(model, tok, ids[:reach], args, None, full_curve.at if args.curve_every else None)
     fed = time.perf_counter() - started
     print(
