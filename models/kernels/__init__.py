@@ -45,15 +45,23 @@ def cpu_has_bf16_dot() -> bool:
 
 @cache
 def _build() -> Any:
+    return build_extension("cdlm_cpu_decode", _SOURCES)
+
+
+def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()) -> Any:
+    """Compile (or load from torch's extension cache) the CPU kernels from `sources` as module
+    `name`, with AMX where the compiler has it. bench.kernel_ab builds another checkout's
+    kernels through it, under another name and with `DecodeStack` renamed (`defines`), so that
+    both load in one process."""
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
-    flags += ["-mf16c", "-fopenmp"]
+    flags += ["-mf16c", "-fopenmp", *(f"-D{d}" for d in defines)]
     amx = ["-mamx-tile", "-mamx-bf16"]
     try:
         return load(
-            name="cdlm_cpu_decode",
-            sources=_SOURCES,
+            name=name,
+            sources=sources,
             extra_cflags=flags + amx,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -61,8 +69,8 @@ def _build() -> Any:
     except Exception as e:  # a compiler without AMX: the same kernels minus the AMX path
         log.info("building the CPU kernels without AMX: %s", e)
         return load(
-            name="cdlm_cpu_decode_noamx",
-            sources=_SOURCES,
+            name=name + "_noamx",
+            sources=sources,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -103,6 +111,19 @@ def cpu_kernels(enabled: bool) -> Iterator[None]:
         enable_cpu_kernels()
     else:
         _kernel = None
+    try:
+        yield
+    finally:
+        _kernel = saved
+
+
+@contextmanager
+def extension(ext: Any) -> Iterator[None]:
+    """Temporarily route the kernels through another build of them (`build_extension`): a
+    decode stack built inside keeps that build's kernels for its model."""
+    global _kernel
+    saved = _kernel
+    _kernel = ext
     try:
         yield
     finally:
