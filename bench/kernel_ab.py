@@ -45,9 +45,9 @@ def _engines(args: argparse.Namespace, builds: dict, tok, prompt: list[int]) -> 
             model = load_model(folder, dtype=torch.bfloat16)[0]
             if kind == "int8":
                 quantize_model(model)
-            engine = AREngine(model, tok, model.config.max_position_embeddings, max_batch=8)
-            with kernels.extension(builds[tree]):
-                _decode_tok_s(engine, prompt, 1, 4)  # the first step builds the stack
+            with kernels.extension(builds[tree]):  # the engine may build the stack at once
+                engine = AREngine(model, tok, model.config.max_position_embeddings, max_batch=8)
+                _decode_tok_s(engine, prompt, 1, 4)  # or its first step does
             stack = kernels.decode_stack(model)  # and it stays this tree's after the block
             if type(stack).__module__ != builds[tree].__name__:
                 raise RuntimeError(f"{kind} {tree}: the stack came from {type(stack).__module__}")
