@@ -492,9 +492,9 @@ torch::Tensor linear_split(torch::Tensor x, torch::Tensor w, c10::optional<torch
 // bias added in fp32, rounded once), only the summation order differs.
 namespace {
 
-// Cache lines ahead within a tile's stream: 4 was 4-10% faster than 8 at 1-16 rows on a Zen 4
-// (SmolLM2's 121 matrices), the hardware prefetchers following the streams themselves.
-constexpr int64_t kPackedPrefetch = 4;
+// Cache lines ahead within a tile's stream. 4 was 4-10% faster on SmolLM2's 121 matrices
+// alone (Zen 4) but no faster in the decode step (bench.kernel_ab, 1.00 / 0.97 at batch 1 / 8).
+constexpr int64_t kPackedPrefetch = 8;
 
 template <int M, int R>
 inline void packed_block(const uint32_t* p, int64_t K2, const uint32_t* x, const uint16_t* bias,
