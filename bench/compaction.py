@@ -81,6 +81,7 @@ QUERY_SOURCE = {
     "am-omp-fast": "repeat-banded",
     "am-highest": "repeat+self-study",
     "am-highest-fast": "repeat-banded",
+    "am-h2o": "repeat-banded",
     "kvzip": "repeat",
     "snapkv": "context",
     "h2o": "context",
@@ -88,7 +89,7 @@ QUERY_SOURCE = {
     "streaming": "context",
     "random": "context",
 }
-AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp")
+AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp", "am-h2o")
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 

@@ -148,7 +148,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["am-highest-fast", "am-highest-fast+int8", "am-omp-fast", "streaming", "h2o"],
+        default=[
+            "am-h2o",
+            "am-highest-fast",
+            "am-highest-fast+int8",
+            "am-omp-fast",
+            "streaming",
+            "h2o",
+        ],
     )
     # The curve of facts kept against tokens read: every run measured each N tokens on the
     # facts read by then (0: at the end only). `--tokens 32000 --chunk 1024 --facts 80

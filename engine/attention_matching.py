@@ -291,8 +291,11 @@ class _Clock:
         self.last = now
 
 
-def fit(h: HeadInputs, index: Tensor, timings: dict[str, float] | None = None) -> HeadResult:
-    """Given chosen keys, fit beta (mass) then C_v (outputs)."""
+def fit(
+    h: HeadInputs, index: Tensor, timings: dict[str, float] | None = None, values: bool = True
+) -> HeadResult:
+    """Given chosen keys, fit beta (mass) then C_v (outputs); `values` False keeps the chosen
+    keys' own values (am-h2o: fitted values do not carry over to later questions there)."""
     clock = _Clock(timings)
     rowmax, m, y = summary(h)
     s = h.queries.float() @ h.keys[index].float().T * h.scale  # [n, t], without old bias
@@ -300,11 +303,13 @@ def fit(h: HeadInputs, index: Tensor, timings: dict[str, float] | None = None) -
     w = nonnegative_weights(a, m).clamp_min(MIN_WEIGHT)
     beta = torch.log(w)
     clock.lap("beta")
+    if not values:
+        return HeadResult(index, h.keys[index].float(), beta, h.values[index].float())
     x = a * w  # [n, t] unnormalized weights of the compacted block
     x = x / x.sum(dim=1, keepdim=True)
-    values = fit_values(x, y)
+    fitted = fit_values(x, y)
     clock.lap("values")
-    return HeadResult(index, h.keys[index].float(), beta, values)
+    return HeadResult(index, h.keys[index].float(), beta, fitted)
 
 
 def keep(h: HeadInputs, index: Tensor) -> HeadResult:
@@ -319,6 +324,7 @@ METHODS = (
     "am-omp-fast",
     "am-highest",
     "am-highest-fast",
+    "am-h2o",
     "snapkv",
     "h2o",
     "streaming",
@@ -338,7 +344,7 @@ def select_keys(
     total = h.keys.shape[0]
     if not 1 <= t <= total:
         raise ValueError(f"target size {t} outside [1, {total}]")
-    if method in ("snapkv", "h2o", "expected_attention") and h.head_queries is None:
+    if method in ("snapkv", "h2o", "am-h2o", "expected_attention") and h.head_queries is None:
         raise ValueError(f"{method} needs the context's own queries (HeadInputs.head_queries)")
     if h.context_keys and h.head_queries is None:
         raise ValueError("context_keys needs the context's own queries (HeadInputs.head_queries)")
@@ -354,7 +360,7 @@ def select_keys(
         return highest_attention(h, t)
     if method == "snapkv":
         return baselines.snapkv(h, t)
-    if method == "h2o":
+    if method in ("h2o", "am-h2o"):
         return baselines.h2o(h, t)
     if method == "streaming":
         return baselines.streaming(total, t)
@@ -381,7 +387,7 @@ def compact_head(
     index = select_keys(h, t, method, generator, budget)
     clock.lap("keys")
     if method.startswith("am-"):
-        return fit(h, index, timings)
+        return fit(h, index, timings, values=method != "am-h2o")
     return keep(h, index)
 
 

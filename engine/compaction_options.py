@@ -31,7 +31,7 @@ DEFAULT_QUERY_SOURCE = {
 }
 # ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
 # banded pass (on a GPU the band would be a mask over the full attention, no faster).
-BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
+BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o")
 
 
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are
@@ -51,7 +51,10 @@ BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast")
 # `--timing`, two runs each, alternating): am-highest-fast 29.6 / 28.3 s by the reference,
 # 34.5 / 34.1 s by the context (a causal pass over the whole context instead: 47.9 / 55.1 s).
 KEY_QUERIES = ("context", "reference")
-CONTEXT_KEYED = ("am-highest", "am-highest-fast")  # the methods that can rank by the context's
+# The methods that can rank by the context's; am-h2o only does (H2O's keys by definition: the
+# heavy hitters of the context's own attention, and the recent slots).
+CONTEXT_KEYED = ("am-highest", "am-highest-fast", "am-h2o")
+CONTEXT_KEYED_ONLY = ("am-h2o",)
 
 
 def default_key_queries(method: str) -> str:
@@ -68,8 +71,10 @@ def resolve_key_queries(method: str, key_queries: str | None) -> str:
         raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
     if key_queries == "context" and method not in CONTEXT_KEYED:
         raise ValueError(
-            f"key_queries='context' ranks the keys of {' and '.join(CONTEXT_KEYED)}, not {method}'s"
+            f"key_queries='context' ranks the keys of {', '.join(CONTEXT_KEYED)}, not {method}'s"
         )
+    if key_queries == "reference" and method in CONTEXT_KEYED_ONLY:
+        raise ValueError(f"{method}'s keys are ranked by the context's queries only")
     return key_queries
 
 

@@ -91,6 +91,25 @@ def test_am_highest_ranks_by_the_context_queries_causal_attention_when_told():
         select_keys(bare, 20, "am-highest")
 
 
+def test_am_h2o_keeps_h2os_keys_and_their_values_with_a_fitted_beta():
+    """am-h2o: H2O's keys (heavy hitters of the context's attention and the recent half), the
+    mass matched by AM's beta on the reference queries, the values the keys' own (not fitted).
+    Its beta matches the mass better than H2O's (none), and the full fit's values differ."""
+    h = _head(seed=3, bias=True)
+    r = compact_head(h, 40, "am-h2o")
+    want = compact_head(h, 40, "h2o")
+    assert torch.equal(r.index, want.index)
+    assert torch.equal(r.keys, h.keys[r.index]) and torch.equal(r.values, h.values[r.index])
+    full = fit(h, r.index)
+    assert torch.equal(r.bias, full.bias)  # the same beta as the fit that fits values too
+    assert not torch.allclose(full.values, r.values, atol=1e-3)
+    assert mass_error(h, r) < 0.5 * mass_error(h, want)
+    bare = _head()
+    bare.head_queries = None
+    with pytest.raises(ValueError, match="context's own queries"):
+        select_keys(bare, 20, "am-h2o")
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_summary_is_the_targets_without_their_exp_score_matrix(bias):
     """`summary` (row maxima, mass, outputs) over queries in chunks, across several chunks

@@ -416,6 +416,31 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
         compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-highest", key_queries="magic")
 
 
+def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
+    """am-h2o on a model's cache: each kept slot is an original key with its own value (no
+    values fitted), the keys ranked by the context's queries (its only ranking: 'reference' is
+    refused), the beta fitted on the repeat queries (banded on a CPU): nonzero."""
+    from engine.kv_compaction import compact_row
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    full = _prefilled(model, ids)
+    cache, t = full.extract_row(0), 20
+    report = compact_row(model, tok, cache, 0, ids, t, "am-h2o", keep_recent=8)
+    assert report.key_queries == "context" and report.query_source == "repeat-banded"
+    assert cache.lengths == [t + 8] and cache.logical == [100]
+    for layer in range(model.config.num_layers):
+        keys, values, _ = full.read(0, layer)  # [Hkv, T, D]
+        kept_k, kept_v, bias = cache.read(0, layer)
+        for g in range(model.config.num_kv_heads):
+            match = (kept_k[g, :t, None, :] == keys[g, None, :92, :]).all(-1)  # [t, region]
+            assert bool((match.sum(-1) == 1).all())
+            assert torch.equal(kept_v[g, :t], values[g, match.float().argmax(-1)])
+        assert bias is not None and bool(bias[:, :t].abs().gt(0).any())
+    with pytest.raises(ValueError, match="context's queries only"):
+        compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-h2o", key_queries="reference")
+
+
 def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
     """OMP's refits (a Cholesky factor grown with the columns, the active-set NNLS where the
     least-squares weights are not all positive) give SciPy's NNLS optimum on each prefix of
