@@ -184,12 +184,23 @@ class Probe:
     recon_target: list[int]
 
 
+def fact_nlls(model, cache: KVCache | None, probe: Probe, start: Sequence[int] = ()) -> list[float]:
+    """Each fact's answer NLL after its question, in the probe's order (what `measure`
+    averages into "facts")."""
+    return [answer_nll(model, cache, q, a, start) for q, a in probe.facts]
+
+
 def measure(
-    model, cache: KVCache | None, probe: Probe, em: bool, start: Sequence[int] = ()
+    model,
+    cache: KVCache | None,
+    probe: Probe,
+    em: bool,
+    start: Sequence[int] = (),
+    facts: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """The probe's NLLs (and greedy exact match, `em`) continuing `cache`, or from nothing
-    after `start` (`sequence_start`)."""
-    facts = [answer_nll(model, cache, q, a, start) for q, a in probe.facts]
+    after `start` (`sequence_start`); `facts`: their `fact_nlls` where the caller has them."""
+    facts = fact_nlls(model, cache, probe, start) if facts is None else facts
     paraphrases = [answer_nll(model, cache, q, a, start) for q, a in probe.paraphrases]
     cont = probe.continuation
     out = {

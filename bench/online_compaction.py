@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
-from bench.facts import Probe, answer_nll, kept, make_context, measure
+from bench.facts import Probe, answer_nll, fact_nlls, kept, make_context, measure
 from engine.auto_compaction import AutoCompact
 from engine.kv_compaction import CompactionReport, compact_row
 from models import kernels
@@ -208,8 +208,8 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         len(encode(context[: context.index(f.statement[:-1]) + len(f.statement) - 1]))
         for f in facts
     ]  # the tokens fed once each fact has been read
-    none = measure(model, None, probe, em=False)
-    none_each = _fact_nlls(model, None, probe, range(len(facts)))
+    none_each = dict(enumerate(fact_nlls(model, None, probe)))
+    none = measure(model, None, probe, em=False, facts=list(none_each.values()))
     started = time.perf_counter()
     full_curve = _Curve(model, probe, ends)
     # The full cache is the reference within the model's context only: past it the model
@@ -223,14 +223,14 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         f"context {c}: {len(ids)} tokens, {len(facts)} facts; the full cache "
         f"({reach} tokens) fed in {fed:.0f} s"
     )
-    base = measure(model, full["cache"], probe, em=False)
-    full_each = _fact_nlls(model, full["cache"], probe, range(len(facts)))
+    full_each = dict(enumerate(fact_nlls(model, full["cache"], probe)))
+    base = measure(model, full["cache"], probe, em=False, facts=list(full_each.values()))
     rows = [_row("full cache", full, base, none, base) | {"context": c}]
     for method in args.methods:
         curve = _Curve(model, probe, ends)
         run = feed(model, tok, ids, args, method, curve.at if args.curve_every else None)
-        got = measure(model, run["cache"], probe, em=False)
-        got_each = _fact_nlls(model, run["cache"], probe, range(len(facts)))
+        got_each = dict(enumerate(fact_nlls(model, run["cache"], probe)))
+        got = measure(model, run["cache"], probe, em=False, facts=list(got_each.values()))
         rows.append(
             _row(method, run, got, none, base)
             | {
