@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,10 +184,17 @@ class Probe:
     recon_target: list[int]
 
 
-def fact_nlls(model, cache: KVCache | None, probe: Probe, start: Sequence[int] = ()) -> list[float]:
-    """Each fact's answer NLL after its question, in the probe's order (what `measure`
-    averages into "facts")."""
-    return [answer_nll(model, cache, q, a, start) for q, a in probe.facts]
+def fact_nlls(
+    model,
+    cache: KVCache | None,
+    probe: Probe,
+    start: Sequence[int] = (),
+    which: Iterable[int] | None = None,
+) -> dict[int, float]:
+    """Each fact's answer NLL after its question, by the fact's index in the probe (every
+    fact, or those in `which`): what `measure` averages into "facts"."""
+    chosen = range(len(probe.facts)) if which is None else which
+    return {i: answer_nll(model, cache, *probe.facts[i], start) for i in chosen}
 
 
 def measure(
@@ -200,7 +207,7 @@ def measure(
 ) -> dict[str, float]:
     """The probe's NLLs (and greedy exact match, `em`) continuing `cache`, or from nothing
     after `start` (`sequence_start`); `facts`: their `fact_nlls` where the caller has them."""
-    facts = fact_nlls(model, cache, probe, start) if facts is None else facts
+    facts = list(fact_nlls(model, cache, probe, start).values()) if facts is None else facts
     paraphrases = [answer_nll(model, cache, q, a, start) for q, a in probe.paraphrases]
     cont = probe.continuation
     out = {

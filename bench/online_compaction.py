@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
-from bench.facts import Probe, answer_nll, fact_nlls, kept, make_context, measure
+from bench.facts import Probe, fact_nlls, kept, make_context, measure
 from engine.auto_compaction import AutoCompact
 from engine.kv_compaction import CompactionReport, compact_row
 from models import kernels
@@ -208,7 +208,7 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         len(encode(context[: context.index(f.statement[:-1]) + len(f.statement) - 1]))
         for f in facts
     ]  # the tokens fed once each fact has been read
-    none_each = dict(enumerate(fact_nlls(model, None, probe)))
+    none_each = fact_nlls(model, None, probe)
     none = measure(model, None, probe, em=False, facts=list(none_each.values()))
     started = time.perf_counter()
     full_curve = _Curve(model, probe, ends)
@@ -223,13 +223,13 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         f"context {c}: {len(ids)} tokens, {len(facts)} facts; the full cache "
         f"({reach} tokens) fed in {fed:.0f} s"
     )
-    full_each = dict(enumerate(fact_nlls(model, full["cache"], probe)))
+    full_each = fact_nlls(model, full["cache"], probe)
     base = measure(model, full["cache"], probe, em=False, facts=list(full_each.values()))
     rows = [_row("full cache", full, base, none, base) | {"context": c}]
     for method in args.methods:
         curve = _Curve(model, probe, ends)
         run = feed(model, tok, ids, args, method, curve.at if args.curve_every else None)
-        got_each = dict(enumerate(fact_nlls(model, run["cache"], probe)))
+        got_each = fact_nlls(model, run["cache"], probe)
         got = measure(model, run["cache"], probe, em=False, facts=list(got_each.values()))
         rows.append(
             _row(method, run, got, none, base)
@@ -241,12 +241,6 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         )
         print(_line(method, rows[-1:]), flush=True)
     return rows
-
-
-def _fact_nlls(model, cache: KVCache | None, probe: Probe, which) -> dict[int, float]:
-    """Each fact's answer NLL after its question (`bench.facts.answer_nll`), for the facts
-    `which` (their indices: the facts are in the order they appear in the context)."""
-    return {i: answer_nll(model, cache, *probe.facts[i]) for i in which}
 
 
 def _by_depth(none: dict[int, float], full: dict[int, float], got: dict[int, float]) -> list:
@@ -274,7 +268,7 @@ class _Curve:
 
     def at(self, fed: int, cache: KVCache) -> None:
         seen = [i for i, end in enumerate(self.ends) if end <= fed]
-        self.points[fed] = _fact_nlls(self.model, cache, self.probe, seen)
+        self.points[fed] = fact_nlls(self.model, cache, self.probe, which=seen)
 
     def kept(self, none: dict[int, float], full: _Curve) -> list[dict]:
         """Per checkpoint: tokens fed, facts read, this run's facts NLL, the full cache's
