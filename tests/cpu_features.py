@@ -20,6 +20,7 @@ REQUIRED = os.environ.get("CDLM_REQUIRE_CPU_KERNELS") == "1"
 NEEDS = {
     "avx512-bf16": ("avx512_bf16", "avx512bw", "avx512_vnni"),  # VNNI: the int8 kernels
     "amx-bf16": ("amx_bf16", "amx_tile"),
+    "amx-int8": ("amx_int8", "amx_tile"),
 }
 
 

@@ -1,6 +1,7 @@
-"""int8 weights (Q8_0, models/quantize.py) and their VNNI kernel (kernels/cpu_int8.cpp): the
-format's round trip, the kernel against its PyTorch reference, and a quantized model's fused
-decode step against the PyTorch path on the same (dequantized) weights."""
+"""int8 weights (Q8_0, models/quantize.py) and their kernels (kernels/cpu_int8.cpp: VNNI, and
+AMX-INT8 tiles from 3 rows where the CPU has them): the format's round trip, the kernel against
+its PyTorch reference, and a quantized model's fused decode step against the PyTorch path on
+the same (dequantized) weights."""
 
 from __future__ import annotations
 
@@ -46,10 +47,23 @@ def built():
     return kernels._kernel
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11])
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (50, 576), (7, 32)])
-def test_linear_q8_computes_its_reference(built, rows, n, k):
-    """Every row count (8 per pass), a ragged last tile, a bias: the kernel's outputs are the
+@pytest.fixture(params=[False, True], ids=["vnni", "amx"])
+def amx(request, built):
+    """The product on VNNI only, or on AMX-INT8 tiles from 3 rows (the default where the CPU
+    has them)."""
+    kernels.use_amx(request.param)
+    if request.param:
+        skip_unless("amx-int8", bool(built.amx_int8()), "the AMX-INT8 tile matmuls")
+    assert bool(built.amx_int8()) == request.param
+    yield request.param
+    kernels.use_amx(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 16, 17, 33])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 576), (7, 32)])
+def test_linear_q8_computes_its_reference(built, amx, rows, n, k):
+    """Every row count (8 per VNNI pass, 16 per tile; 17 and 33 pad a last chunk of tiles), a
+    ragged last tile and an odd one out of the tile pairs, a bias: the kernel's outputs are the
     reference's (the same integer dots and scales, summed in another order) to bf16 rounding;
     and both are the bf16 product up to what int8 costs."""
     gen = torch.Generator().manual_seed(rows * n + k)
@@ -58,7 +72,9 @@ def test_linear_q8_computes_its_reference(built, rows, n, k):
     bias = torch.randn(n, generator=gen).to(BF16)
     codes, scales = quantize_q8_0(w)
     packed, packed_scales = built.pack_q8(codes, scales)
+    calls = built.amx_int8_calls()
     got = built.linear_q8(x, packed, packed_scales, n, bias).float()
+    assert built.amx_int8_calls() - calls == (amx and rows >= 3)  # the path the rows take
     want = q8_linear_reference(x, codes, scales, bias).float()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 2**-7 * scale  # one bf16 rounding of each
@@ -84,10 +100,10 @@ def quantized(built, tmp_path_factory):
     return model
 
 
-def test_a_quantized_models_fused_step_runs_int8_and_matches_pytorch(built, quantized):
-    """The fused step of a quantized model runs on int8 weights, and its logits over a prompt
-    and two decode steps are the PyTorch path's on the dequantized weights, up to the
-    activations' int8 rounding."""
+def test_a_quantized_models_fused_step_runs_int8_and_matches_pytorch(built, amx, quantized):
+    """The fused step of a quantized model runs on int8 weights (the 8-token prompt on the
+    tiles where AMX is on), and its logits over a prompt and two decode steps are the PyTorch
+    path's on the dequantized weights, up to the activations' int8 rounding."""
     model = quantized
     model._decode_stack = None
     runner = ModelRunner(model)
@@ -97,7 +113,9 @@ def test_a_quantized_models_fused_step_runs_int8_and_matches_pytorch(built, quan
         ids = torch.randint(0, tiny_models.VOCAB, (10,), generator=torch.Generator().manual_seed(2))
         chunks = [[(0, ids[:8].tolist())], [(0, [int(ids[8])])], [(0, [int(ids[9])])]]
         cache = model.new_cache(1, 32)
+        calls = built.amx_int8_calls()
         fused = [model.logits(runner.fused_step(stack, c, cache)).float() for c in chunks]
+        assert (built.amx_int8_calls() > calls) == amx
         cache = model.new_cache(1, 32)
         with kernels.cpu_kernels(False):
             ref = [model.logits(runner.extend(c, cache)).float() for c in chunks]

@@ -57,7 +57,7 @@ def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
     flags += ["-mf16c", "-fopenmp", *(f"-D{d}" for d in defines)]
-    amx = ["-mamx-tile", "-mamx-bf16"]
+    amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
     try:
         return load(
             name=name,
@@ -67,7 +67,7 @@ def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()
             verbose=False,
         )
     except Exception as e:  # a compiler without AMX: the same kernels minus the AMX path
-        log.info("building the CPU kernels without AMX: %s", e)
+        log.warning("building the CPU kernels without AMX: %s", e)
         return load(
             name=name + "_noamx",
             sources=sources,

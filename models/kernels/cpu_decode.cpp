@@ -13,10 +13,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -24,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "bf16_simd.h"
 
 namespace {
@@ -588,27 +585,6 @@ bool amx_enabled = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool kAmxBuilt = true;
 
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
-}
-
-// Linux hands out the 8 KB tile register state only on request (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); once per process.
-bool request_tile_state() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
 constexpr int64_t kAmxPrefetch = 32;  // k-pairs ahead: two 1 KB chunks per tile stream
 
 // tmm0: A = x[:, 32 k] (M rows); tmm1..R: B = R weight tiles' 16 k-pairs; tmm4..4+R: C sums.
@@ -660,7 +636,7 @@ void amx_run(const uint32_t* p, int64_t K2, const uint16_t* x, int64_t M, const 
   }
   const int64_t tiles = (N + 15) / 16, groups = (tiles + R - 1) / R;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;  // tile shapes are per thread state
+    amx::TileConfig cfg;  // tile shapes are per thread state
     cfg.rows[0] = uint8_t(rows);
     cfg.colsb[0] = 64;
     for (int t = 1; t <= 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -684,18 +660,22 @@ void amx_run(const uint32_t* p, int64_t K2, const uint16_t* x, int64_t M, const 
 }
 #else
 constexpr bool kAmxBuilt = false;
-bool cpu_has_amx_bf16() { return false; }
-bool request_tile_state() { return false; }
 void amx_run(const uint32_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, at::BFloat16*,
              int64_t) {}
 #endif
 
 }  // namespace
 
-// Turn the AMX path of linear_packed_bf16 on or off; returns whether it is now on (it stays
-// off where the build, the CPU or the OS cannot run it).
+// cpu_int8.cpp's AMX-INT8 path of linear_q8: turned on or off with the bf16 one.
+bool set_amx_int8(bool enabled);
+bool amx_int8_enabled();
+int64_t amx_int8_count();
+
+// Turn the AMX paths of linear_packed_bf16 and linear_q8 on or off; returns whether the bf16
+// one is now on (each stays off where the build, the CPU or the OS cannot run it).
 bool set_amx(bool enabled) {
-  amx_enabled = enabled && kAmxBuilt && cpu_has_amx_bf16() && request_tile_state();
+  amx_enabled = enabled && kAmxBuilt && amx::cpu_has(amx::kBf16) && amx::request_tile_state();
+  set_amx_int8(enabled);
   return amx_enabled;
 }
 
@@ -1171,12 +1151,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation", nogil);
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place", nogil);
   m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache", nogil);
-  m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 where possible");
+  m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 and linear_q8 where possible");
+  m.def("amx_int8", &amx_int8_enabled, "whether linear_q8 runs on AMX-INT8 tiles");
+  m.def("amx_int8_calls", &amx_int8_count, "how many linear_q8 products ran on the tiles");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
   m.def("pack_attention_kv", &pack_attention_kv, "pack a layer's K, V for attend_packed_bf16", nogil);
   m.def("attend_packed_bf16", &attend_packed_bf16, "query rows over key ranges of packed K, V", nogil);
   m.def("pack_q8", &pack_q8, "pack Q8_0 codes and scales for linear_q8", nogil);
-  m.def("linear_q8", &linear_q8, "small-M x @ W^T with Q8_0 int8 weights (VNNI)", nogil);
+  m.def("linear_q8", &linear_q8, "small-M x @ W^T with Q8_0 int8 weights (VNNI/AMX)", nogil);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
