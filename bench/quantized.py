@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if not 2 <= args.window <= args.ppl_tokens:
+        p.error("--window must be at least 2 and at most --ppl-tokens")
 
     from transformers import AutoTokenizer
 
