@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False).input_ids)
 
+    args.logs.mkdir(parents=True, exist_ok=True)
     out: dict = {
         "model": args.model,
         "concurrency": args.concurrency,
