@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from engine.session_mirror import SessionMirror
 from engine.session_store import SessionStore
 from models.fetch import serve_home
-from server import responses_api, routes, sessions_api
+from server import response_retention, responses_api, routes, sessions_api
 from server.errors import install_error_handlers
 from server.request_context import RequestContext
 from server.request_limits import BodySizeLimit
@@ -73,7 +73,9 @@ def create_app(
             target=loader or ServerState.load_all, args=(state,), name="model-loader", daemon=True
         )
         thread.start()
+        retention = asyncio.create_task(response_retention.run(state))
         yield
+        retention.cancel()
         await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
 
     app = FastAPI(title="cdlm-serve", version=routes.VERSION, lifespan=lifespan)

@@ -217,6 +217,14 @@ FLAGS = (
         int,
     ),
     Flag(
+        "--responses-ttl-hours",
+        "sessions",
+        "hours a stored response (/v1/responses with store) is kept before it is removed, as "
+        "OpenAI keeps them 30 days; 0 = until deleted",
+        "720",
+        float,
+    ),
+    Flag(
         "--sessions-disk-gb",
         "sessions",
         "disk quota of the session store in GB; requests that would grow it past the quota "
@@ -303,6 +311,8 @@ def serve(args: argparse.Namespace) -> None:
     ):
         if value <= 0:
             sys.exit(f"cdlm-serve: {flag} must be > 0")
+    if not 0 <= args.responses_ttl_hours < float("inf"):
+        sys.exit("cdlm-serve: --responses-ttl-hours must be >= 0 (0 = until deleted)")
     if args.malloc_arenas < 0:
         sys.exit("cdlm-serve: --malloc-arenas must be >= 0 (0 = glibc's default)")
     limit_arenas(args.malloc_arenas)  # now: before uvicorn, the engines and OpenMP start threads
@@ -329,6 +339,7 @@ def serve(args: argparse.Namespace) -> None:
         session_memory_bytes=args.session_memory_mb << 20,
         session_lock_wait=args.session_lock_wait,
         max_sessions=args.max_sessions,
+        responses_ttl=args.responses_ttl_hours * 3600.0,
         sessions_disk_bytes=int(args.sessions_disk_gb * 1e9) if args.sessions_disk_gb else None,
         sessions_redis=args.sessions_redis,
         compaction_omp_budget=args.compaction_omp_budget,

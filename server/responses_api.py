@@ -33,7 +33,7 @@ from engine import model_work
 from engine.served_model import ServedModel
 from engine.session import Session, SessionError
 from engine.session_mirror import MirrorError
-from server import planning, streaming
+from server import planning, response_retention, streaming
 from server.compactions import compact
 from server.errors import APIError
 from server.planning import Choice, UsageCount, record, run_choices, usage
@@ -97,6 +97,9 @@ async def _stored(state: ServerState, rid: str, param: str) -> Session:
     except APIError as e:
         raise (_not_found(rid, param) if e.status == 404 else e) from None
     if session.response is None:
+        raise _not_found(rid, param)
+    if response_retention.expired(session, time.time(), state.settings.responses_ttl):
+        await response_retention.expire(state, session, state.settings.session_lock_wait)
         raise _not_found(rid, param)
     return session
 

@@ -49,6 +49,7 @@ class ServerSettings:
     session_memory_bytes: int = 2 << 30
     session_lock_wait: float = 10.0  # seconds a busy session is waited for before 409
     max_sessions: int = 1024
+    responses_ttl: float = 30 * 86400.0  # seconds a stored response is kept; 0: until deleted
     sessions_disk_bytes: int | None = 20 << 30  # None: no quota
     sessions_redis: str | None = None  # redis://host:port/db of the shared session tier
     compaction_omp_budget: float = 60.0  # seconds of exact OMP per compaction (then faster)

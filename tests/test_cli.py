@@ -56,3 +56,10 @@ def test_cdlm_serve_help_shows_the_serve_flags_in_their_groups(capsys):
     for title in cli.GROUPS.values():
         assert f"\n{title}:\n" in text
     assert "cdlm-serve fetch" in text and "CDLM_SERVE_PREFIX_CACHE_MB" in text
+
+
+@pytest.mark.parametrize("hours", ["-1", "nan", "inf"])
+def test_a_responses_ttl_must_be_a_finite_number_of_hours(hours):
+    args = cli.build_parser().parse_args(["serve", "--responses-ttl-hours", hours])
+    with pytest.raises(SystemExit, match="--responses-ttl-hours must be >= 0"):
+        cli.serve(args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -247,6 +248,41 @@ def test_a_refused_continuation_leaves_no_response_behind(client, base, store):
     assert ids == {p.name for p in store.iterdir() if not p.name.startswith(".")}
     # The fork that was refused handed the cache back to nobody: the first still continues.
     assert client.responses.create(input="y", previous_response_id=first.id, **ANSWER).output_text
+
+
+def test_a_stored_response_expires_after_its_ttl_and_a_plain_session_stays(
+    tiny_llama_dir, tmp_path
+):
+    """--responses-ttl-hours: a response past it answers 404 (retrieve, previous_response_id)
+    and is gone from disk, asked for or not (the sweep, every half TTL); one continued from it
+    before it expired outlives it; a plain session is kept."""
+    from openai import NotFoundError, OpenAI
+
+    ttl = 6.0
+    flag = ("--responses-ttl-hours", str(ttl / 3600))
+    with tiny_session_server(tiny_llama_dir, tmp_path, *flag) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        started = time.time()
+        first = client.responses.create(input="Remember", **ANSWER)
+        unasked = client.responses.create(input="Never asked again", **ANSWER)
+        r = httpx.post(f"{url}/v1/sessions", json={"model": "tiny", "id": "plain", "prompt": "hi"})
+        assert r.status_code == 201
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        time.sleep(started + ttl / 2 - time.time())
+        later = client.responses.create(input="Then", previous_response_id=first.id, **ANSWER)
+        assert time.time() - started < ttl * 0.6  # (else the checks below race the TTL)
+        time.sleep(started + ttl + 0.5 - time.time())  # first is past its TTL, later is not
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(first.id)
+        with pytest.raises(NotFoundError):
+            client.responses.create(input="Again", previous_response_id=first.id, **ANSWER)
+        assert not (tmp_path / first.id).exists()
+        assert client.responses.retrieve(later.id).output_text == later.output_text
+        deadline = time.time() + ttl + 30  # the sweep runs every ttl / 2
+        while (tmp_path / unasked.id).exists() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not (tmp_path / unasked.id).exists()
+        assert httpx.get(f"{url}/v1/sessions/plain").status_code == 200
 
 
 def test_responses_survive_a_restart(tiny_llama_dir, tmp_path):
