@@ -17,6 +17,15 @@ QUERY_SOURCES = (
 )
 REPEAT_WINDOW = 512  # repeat-banded: the slots either side of a repeated token's original
 REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same keys)
+# The most context tokens one repeat pass reads: a longer history is read as pieces of
+# REPEAT_PIECE tokens spread evenly over it (its last piece always), so the time a compaction
+# takes stops growing with the session's history (online compaction compacts again and again).
+# The fits take at most max_queries (2,048) of the pooled queries, ~700 tokens' worth at 3 query
+# heads per KV head. 4,096 cost am-h2o 0.61 -> 0.54 of the facts on bench.online_compaction's
+# first context (8K; am-highest-fast 0.52 both, compaction 21-26% faster); at 8,192 nothing
+# within SmolLM2's 8K context changes, and past it a compaction costs what one at 8K does.
+REPEAT_BUDGET = 8192
+REPEAT_PIECE = 512  # a multiple of REPEAT_ROWS: a piece's blocks line up as in the whole pass
 # Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
 BUDGETS = ("uniform", "attention", "measured")
 # Baselines that score keys with the context's own queries, as at prefill time.

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from engine import compaction_options
 from engine.compaction_options import (
     REPEAT_INSTRUCTION,
     REPEAT_ROWS,
@@ -141,22 +142,39 @@ def _stages(
     )
 
 
-def repeat_band(cache: KVCache, row: int, lead: int, segment: int | None = None) -> Band | None:
-    """The band of a repeat pass over `row` after a `lead`-token instruction: repeated token
-    r is the one cached at slot r on a row never compacted. On a row compacted before, whose
-    first `segment` slots (its last compaction's segment_slots) stand for the oldest tokens
-    and whose later slots are its last tokens, a repeated token of those is lined up with its
-    slot (r - logical + physical) and every repeated token sees the whole segment (as sinks);
-    those the segment stands for see it, the instruction and the repeated tokens before them.
-    None where the segment is not known (the full pass)."""
+def repeat_band(
+    cache: KVCache, row: int, lead: int, segment: int | None = None, start: int = 0
+) -> Band | None:
+    """The band of a repeat pass over `row` after a `lead`-token instruction, repeating the
+    context from its token `start` on: repeated token r is the one cached at slot r on a row
+    never compacted. On a row compacted before, whose first `segment` slots (its last
+    compaction's segment_slots) stand for the oldest tokens and whose later slots are its last
+    tokens, a repeated token of those is lined up with its slot (r - logical + physical) and
+    every repeated token sees the whole segment (as sinks); those the segment stands for see
+    it, the instruction and the repeated tokens before them. None where the segment is not
+    known (the full pass)."""
     length, logical = cache.lengths[row], cache.logical[row]
-    band = Band(window=REPEAT_WINDOW, offset=-lead, lead=lead, rows=REPEAT_ROWS)
+    band = Band(window=REPEAT_WINDOW, offset=start - lead, lead=lead, rows=REPEAT_ROWS)
     if logical == length:
         return band
     if segment is None or not 0 < segment < length:
         return None
     shift = logical - length  # how many more tokens than slots the segment stands for
-    return replace(band, offset=-lead - shift, sinks=max(band.sinks, segment))
+    return replace(band, offset=start - lead - shift, sinks=max(band.sinks, segment))
+
+
+def repeat_pieces(tokens: int) -> list[tuple[int, int]]:
+    """The ranges [start, stop) of a `tokens`-long context that a repeat pass reads: all of it
+    up to REPEAT_BUDGET tokens, else REPEAT_BUDGET / REPEAT_PIECE pieces spread evenly from its
+    first token to its last (starts on REPEAT_ROWS boundaries, as the whole pass's blocks)."""
+    budget, piece = compaction_options.REPEAT_BUDGET, compaction_options.REPEAT_PIECE
+    if tokens <= budget:
+        return [(0, tokens)]
+    count = budget // piece
+    last = tokens - piece  # the last piece's start: the newest tokens, whole
+    spread = (round(i * last / (count - 1)) for i in range(count - 1))
+    starts = {s // REPEAT_ROWS * REPEAT_ROWS for s in spread} | {last}
+    return [(s, s + piece) for s in sorted(starts)]
 
 
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
@@ -211,13 +229,18 @@ def reference_queries(
         streams.append(engine.layers(_stages(model, context_ids, engine.pace), layers))
     names = source.split("+")
     if "repeat" in names or "repeat-banded" in names:
+        # Past REPEAT_BUDGET context tokens, pieces of it, each its own pass (they advance in
+        # step: each layer's scratch slots are written and read within that layer's turn).
         instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
-        ids = instruction + context_ids
-        band = None
-        if "repeat-banded" in names:
-            band = repeat_band(cache, row, len(instruction), segment)
-        stages = _stages(model, ids, engine.pace, cache, row, band)
-        streams.append(engine.layers(stages, layers))
+        lead = len(instruction)
+        for i, (start, stop) in enumerate(repeat_pieces(len(context_ids))):
+            band = None
+            if "repeat-banded" in names:
+                band = repeat_band(cache, row, lead, segment, start)
+            ids = instruction + context_ids[start:stop]
+            piece = engine.layers(_stages(model, ids, engine.pace, cache, row, band), layers)
+            # The instruction's queries once, as in the whole pass.
+            streams.append(piece if i == 0 else (q[:, lead:] for q in piece))
     if "self-study" in names:
         streams.append(iter(self_study_queries(model, tokenizer, cache, row, on_engine=engine)))
     for parts in zip(*streams, strict=True):

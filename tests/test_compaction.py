@@ -162,6 +162,52 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     assert default_query_source("am-omp", cpu) == "repeat"
 
 
+def test_a_long_history_is_repeated_in_pieces_each_lined_up_with_its_own_slots(tiny, monkeypatch):
+    """Past REPEAT_BUDGET context tokens the repeat pass reads pieces of REPEAT_PIECE spread
+    evenly over the history, its last tokens always: as many queries for a history twice as
+    long (the instruction's once). A piece's repeated tokens line up with their own cached
+    slots: the last piece is blind to slots far before it and sees those near it."""
+    from engine import compaction_options, compaction_queries
+    from engine.compaction_options import REPEAT_INSTRUCTION
+    from engine.compaction_queries import reference_queries, repeat_pieces
+
+    monkeypatch.setattr(compaction_queries, "REPEAT_WINDOW", 4)
+    monkeypatch.setattr(compaction_queries, "REPEAT_ROWS", 8)
+    monkeypatch.setattr(compaction_options, "REPEAT_PIECE", 16)
+    monkeypatch.setattr(compaction_options, "REPEAT_BUDGET", 48)
+    assert repeat_pieces(48) == [(0, 48)]
+    assert repeat_pieces(90) == [(0, 16), (32, 48), (74, 90)]
+    assert repeat_pieces(1000) == [(0, 16), (488, 504), (984, 1000)]
+    model, tok = tiny
+    lead = len(tok.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (180,), generator=gen).tolist()
+
+    def queries(ids: list[int], cache) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(reference_queries(model, tok, cache, 0, ids, "repeat-banded"))
+
+    clean = _prefilled(model, ids[:90])
+    base = queries(ids[:90], clean)
+    assert all(q.shape[1] == lead + 48 for q in base)
+    assert all(q.shape[1] == lead + 48 for q in queries(ids, _prefilled(model, ids)))
+    last = slice(lead + 32, lead + 48)  # the piece of tokens 74..89
+
+    def corrupted(lo: int, hi: int) -> list[torch.Tensor]:
+        cache = _prefilled(model, ids[:90])
+        for layer in range(len(cache.keys)):
+            cache.keys[layer][0, :, lo:hi] += 3.0
+            cache.values[layer][0, :, lo:hi] += 3.0
+        return queries(ids[:90], cache)
+
+    far = corrupted(4, 60)  # past the sinks, far before the last piece's slots
+    for a, b in zip(base, far, strict=True):
+        torch.testing.assert_close(a[:, last], b[:, last])
+    assert (base[1][:, lead : lead + 16] - far[1][:, lead : lead + 16]).abs().max() > 1e-3
+    near = corrupted(70, 90)
+    assert (base[1][:, last] - near[1][:, last]).abs().max() > 1e-3
+
+
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
     from engine.kv_compaction import compact_row
 
