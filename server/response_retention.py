@@ -24,7 +24,9 @@ from server.state import ServerState
 log = logging.getLogger(__name__)
 
 MAX_SWEEP_PERIOD = 60.0  # seconds; shorter for a shorter TTL (half of it)
-SWEEP_LOCK_WAIT = 0.5  # seconds a sweep waits for a response in use (the next sweep retries)
+# Seconds a removal waits for an expired response still in use (a request continuing it since
+# before it expired); then it stays for the next sweep, and answers 404 meanwhile.
+LOCK_WAIT = 0.5
 
 
 def expired(session: Session, now: float, ttl: float) -> bool:
@@ -32,11 +34,11 @@ def expired(session: Session, now: float, ttl: float) -> bool:
     return ttl > 0 and session.response is not None and now - session.created >= ttl
 
 
-async def expire(state: ServerState, session: Session, wait: float) -> bool:
-    """Remove an expired response; False where it stays for now (in use past `wait`, or the
+async def expire(state: ServerState, session: Session) -> bool:
+    """Remove an expired response; False where it stays for now (in use past LOCK_WAIT, or the
     shared tier refused)."""
     try:
-        await remove(state.sessions, session, wait)
+        await remove(state.sessions, session, LOCK_WAIT)
     except APIError as e:
         log.info("expired response %s not removed yet: %s", session.id, e.message)
         return False
@@ -49,7 +51,7 @@ async def sweep(state: ServerState) -> int:
     gone = 0
     for session in state.sessions.all():
         if not session.deleted and expired(session, now, ttl):
-            gone += await expire(state, session, SWEEP_LOCK_WAIT)
+            gone += await expire(state, session)
     return gone
 
 

@@ -99,7 +99,7 @@ async def _stored(state: ServerState, rid: str, param: str) -> Session:
     if session.response is None:
         raise _not_found(rid, param)
     if response_retention.expired(session, time.time(), state.settings.responses_ttl):
-        await response_retention.expire(state, session, state.settings.session_lock_wait)
+        await response_retention.expire(state, session)  # (404 either way)
         raise _not_found(rid, param)
     return session
 
