@@ -31,4 +31,14 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
+// A 16-output tile's fp32 sums for M rows ([row][output], e.g. a stored AMX C tile) + bias ->
+// y[m, n0 .. n0 + 16) in bf16 for each row m, nothing past N (the AMX paths of both files).
+inline void store_tile_bf16(const float (*sums)[16], int64_t M, const uint16_t* bias,
+                            at::BFloat16* y, int64_t N, int64_t n0) {
+  const __mmask16 mask = tail_mask(N - n0);
+  const __m512 b = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < M; ++m)
+    store_bf16_masked(y + m * N + n0, _mm512_add_ps(_mm512_load_ps(sums[m]), b), mask);
+}
+
 }  // namespace

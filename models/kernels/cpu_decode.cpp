@@ -612,13 +612,7 @@ void amx_group(const uint32_t* p, int64_t K2, const uint16_t* x, int64_t K, int6
   _tile_stored(4, c[0], 64);
   if (R > 1) _tile_stored(5, c[1], 64);
   if (R > 2) _tile_stored(6, c[2], 64);
-  for (int r = 0; r < R; ++r) {
-    const int64_t n0 = (tile + r) * 16;
-    const __mmask16 mask = tail_mask(N - n0);
-    const __m512 b = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < M; ++m)
-      store_bf16_masked(y + m * N + n0, _mm512_add_ps(_mm512_load_ps(c[r][m]), b), mask);
-  }
+  for (int r = 0; r < R; ++r) store_tile_bf16(c[r], M, bias, y, N, (tile + r) * 16);
 }
 
 // Any M: rows in chunks of 16 (one A tile each); a group's weight tiles (3 x K/2 x 64 bytes,

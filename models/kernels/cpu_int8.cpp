@@ -245,13 +245,7 @@ void q8_amx_tiles(const uint8_t* w, const uint16_t* ws, int64_t nb, const Activa
       finish(b + 1, odd);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const int64_t n0 = (tile + r) * 16;
-    const __mmask16 mask = tail_mask(N - n0);
-    const __m512 bv = bias ? load_bf16_masked(bias + n0, mask) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < M; ++m)
-      store_bf16_masked(y + (m0 + m) * N + n0, _mm512_add_ps(_mm512_load_ps(acc[r][m]), bv), mask);
-  }
+  for (int r = 0; r < R; ++r) store_tile_bf16(acc[r], M, bias, y + m0 * N, N, (tile + r) * 16);
 }
 
 // All M rows in chunks of 16 (a's rows padded to whole chunks past 16); a pair's tiles (2 x
