@@ -5,19 +5,33 @@ never change one session at once.
 Keys (all under `prefix`, default "cdlm:session:"):
 
     <id>:meta            the committed version's meta.json (`engine.session_files` format)
+    <id>:blobs           its segment files' SHA-256 digests ({file: digest}, JSON)
     <id>:gen             its "<generation>:<commit>" (a replica whose copy differs fetches it)
-    <id>:seg:<file>:<i>  the version's segment files in parts of `chunk_bytes` (Redis holds at
-                         most 512 MB in a value; unique names: immutable once written)
     <id>:lease           the owner token of the replica changing the session (with an expiry)
     <id>:gone            a tombstone left by a delete (a replica's stale copy is not revived)
+    blob:<digest>:<i>    a segment file's bytes in parts of `chunk_bytes` (Redis holds at most
+                         512 MB in a value), stored once for every session that names it
+    blob:<digest>:refs   the versions that name it, as "<id>@<generation>:<commit>"
 
-Publishing writes the new segment files first, then meta and gen together in one Lua script (the
-commit point), which refuses unless this replica still holds the lease and the shared copy is
-still the version the new one was made from; then it drops the segments only the old one named.
-A fetch reads meta, then the segments it names (re-reading meta if a newer version dropped one
-meanwhile), checks them whole and installs them in the local folder (`session_files.install`): a
-crash leaves the old copy or none, never a mix. Deleting drops meta and gen and leaves a tombstone
-(the commit point), then drops the segments.
+Segments are shared by content. A response forked from another hard-links its segment files
+(`session_files.write_version(link_from=...)`), so a conversation of N turns names its first
+turn's segment N times: kept once per session, the tier would hold N^2/2 turns' worth. A blob
+lives while some version names it: a version adds its reference before it uploads or relies on
+the bytes, and a version replaced or deleted drops its references, the last one removing the
+bytes, in one Lua script (a reference added after that script finds the bytes gone and uploads
+them again). Each version's references carry its own unique commit id, so a replica whose
+publish was refused drops only its own. A replica that dies between adding references and its
+commit leaves them behind: the blob then stays (space, never a loss).
+
+Publishing adds the references and uploads what is missing, then writes meta, blobs and gen
+together in one Lua script (the commit point), which refuses unless this replica still holds
+the lease and the shared copy is still the version the new one was made from; then it drops the
+replaced version's references. A fetch reads meta and blobs (one MGET), then the blobs they
+name (re-reading them if a newer version dropped one meanwhile), checks each against its
+digest and installs them in the local folder (`session_files.install`): a crash leaves the old
+copy or none, never a mix. Deleting drops meta, blobs and gen and leaves a tombstone (the commit
+point), then drops the references. Versions published before blobs were shared (no `blobs`
+key) are read from their per-session keys (`<id>:seg:<file>:<i>`), dropped when replaced.
 
 The shared copy is the truth: a replica whose copy differs from it (another replica changed the
 session, or this replica's own last change was refused) fetches it before using the session.
@@ -29,11 +43,13 @@ replica that dies holding one loses it after `lease_seconds`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
@@ -49,6 +65,7 @@ R = TypeVar("R")
 
 CHUNK_BYTES = 64 << 20  # segment bytes per Redis value (Redis refuses values over 512 MB)
 TOMBSTONE_SECONDS = 30 * 24 * 3600  # how long a delete is remembered for replicas' old copies
+DIGESTS_KEPT = 4096  # segment files whose digest a mirror remembers (by inode)
 
 # Only the owner (its token) may renew or drop a lease.
 _RELEASE = """
@@ -61,16 +78,28 @@ return 0
 """
 # The commit point of a publish, all or nothing: only the lease's owner, and only over the
 # version its own was made from (ARGV[2]: that version's "<generation>:<commit>", "" for a new
-# session). Returns {status, the replaced meta or the current version}.
+# session). Returns {status, the replaced meta or the current version, the replaced blobs}.
 _COMMIT = """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return {'lease', ''} end
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return {'lease', '', ''} end
 local current = redis.call('get', KEYS[2]) or ''
-if current ~= ARGV[2] then return {'conflict', current} end
+if current ~= ARGV[2] then return {'conflict', current, ''} end
 local old = redis.call('get', KEYS[3]) or ''
+local old_blobs = redis.call('get', KEYS[5]) or ''
 redis.call('set', KEYS[3], ARGV[4])
+redis.call('set', KEYS[5], ARGV[5])
 redis.call('set', KEYS[2], ARGV[3])
 redis.call('del', KEYS[4])
-return {'ok', old}
+return {'ok', old, old_blobs}
+"""
+# One version (ARGV[1]) stops naming a blob (KEYS[1]: its references, the rest: its parts);
+# the last reference removes the bytes. Atomic: a reference added later finds them gone.
+_UNREF = """
+redis.call('srem', KEYS[1], ARGV[1])
+if redis.call('scard', KEYS[1]) == 0 then
+  for i = 2, #KEYS do redis.call('del', KEYS[i]) end
+  return 1
+end
+return 0
 """
 
 
@@ -86,6 +115,11 @@ class SessionConflict(MirrorError):
 def stamp(version: Version) -> str:
     """What identifies a committed version among replicas."""
     return f"{version.generation}:{version.commit}"
+
+
+def _reference(sid: str, generation: Any, commit: Any) -> str:
+    """A version's name in a blob's references (session ids have no "@")."""
+    return f"{sid}@{generation}:{commit}"
 
 
 class SessionMirror:
@@ -104,14 +138,22 @@ class SessionMirror:
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
         self._commit = self.client.register_script(_COMMIT)
+        self._unref = self.client.register_script(_UNREF)
         self._held: dict[str, str] = {}  # session id -> our lease token
         self._held_lock = threading.Lock()
+        # (device, inode, size, mtime) -> SHA-256: a forked session's hard-linked segments are
+        # hashed once, not at every turn's publish.
+        self._digests: OrderedDict[tuple[int, int, int, int], str] = OrderedDict()
+        self._digests_lock = threading.Lock()
         self._stop = threading.Event()
         renewer = threading.Thread(target=self._renew_loop, name="lease-renewer", daemon=True)
         renewer.start()
 
     def _key(self, sid: str, part: str) -> str:
         return f"{self.prefix}{sid}:{part}"
+
+    def _blob_key(self, digest: str, part: str) -> str:
+        return f"{self.prefix}blob:{digest}:{part}"
 
     # ---- versions --------------------------------------------------------------------------
     def current(self, sid: str) -> str | None:
@@ -128,53 +170,62 @@ class SessionMirror:
         is still `parent` (the version it was made from; None for a new session) and this
         replica still holds the session's lease: SessionConflict, or MirrorError, otherwise."""
         token = self._token(sid)
-        names = [s.file for s in version.segments]
-        for name in names:  # unique names: a segment already there holds these very bytes
-            data = (folder / name).read_bytes()
-            pipe = self.client.pipeline(transaction=False)
-            for i, key in enumerate(self._part_keys(sid, name, len(data))):
-                pipe.set(key, data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], nx=True)
-            self._call(pipe.execute)
-        status, other = self._call(
+        digests = {s.file: self._digest(folder / s.file) for s in version.segments}
+        sizes = {digests[s.file]: s.bytes for s in version.segments}
+        files = {digests[s.file]: folder / s.file for s in version.segments}
+        ours = _reference(sid, version.generation, version.commit)
+        self._upload(ours, sizes, files)
+        status, other, other_blobs = self._call(
             self._commit,
-            keys=[self._key(sid, p) for p in ("lease", "gen", "meta", "gone")],
+            keys=[self._key(sid, p) for p in ("lease", "gen", "meta", "gone", "blobs")],
             args=[
                 token or "",
                 "" if parent is None else stamp(parent),
                 stamp(version),
                 json.dumps(version.to_json()),
+                json.dumps(digests),
             ],
-        )
+        )  # raising, it may have committed: our references stay (at worst a leftover)
+        if status in (b"lease", b"conflict"):
+            self._forget_blobs(ours, sizes)  # never committed: nothing else has them
         if status == b"lease":
             raise MirrorError(f"lost the lease of session {sid!r}; not stored")
         if status == b"conflict":
             raise SessionConflict(f"session {sid!r} was changed elsewhere ({other.decode()})")
-        if other:  # best effort: segments only the replaced version named
-            old = json.loads(other)["segments"]
-            self._forget_segments(sid, [s for s in old if s["file"] not in names])
+        if other:  # best effort: the replaced version's references (or old per-session keys)
+            self._forget_version(sid, other, other_blobs)
 
     def fetch(self, sid: str, folder: Path) -> Version | None:
         """Install the shared copy in `folder` (replacing what is there); None if there is
         none. The caller holds the session's lock (or the session is not in the table yet)."""
         for _ in range(3):
-            meta = cast(bytes | None, self._call(self.client.get, self._key(sid, "meta")))
+            meta, blobs = cast(
+                list[bytes | None],
+                self._call(self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]),
+            )
             if meta is None:
                 return None
             try:
                 segments = [(s["file"], int(s["bytes"])) for s in json.loads(meta)["segments"]]
+                digests = None if blobs is None else dict(json.loads(blobs))
+                keys = {
+                    name: self._legacy_keys(sid, name, size)
+                    if digests is None
+                    else self._part_keys(str(digests[name]), size)
+                    for name, size in segments
+                }
             except (ValueError, KeyError, TypeError) as e:
                 raise MirrorError(
-                    f"the shared copy of session {sid!r} is unreadable: {e}"
+                    f"the shared copy of session {sid!r} is unreadable: {e!r}"
                 ) from None
             files: dict[str, bytes] = {}
-            for name, size in segments:
-                parts = cast(
-                    list[bytes | None],
-                    self._call(self.client.mget, self._part_keys(sid, name, size)),
-                )
+            for name, _ in segments:
+                parts = cast(list[bytes | None], self._call(self.client.mget, keys[name]))
                 if any(p is None for p in parts):
                     break  # a newer version was published meanwhile and dropped this one
                 files[name] = b"".join(cast(list[bytes], parts))  # none is missing
+                if digests is not None and hashlib.sha256(files[name]).hexdigest() != digests[name]:
+                    raise MirrorError(f"the shared copy of session {sid!r}: {name} is damaged")
             else:
                 try:
                     return session_files.install(folder, meta, files)
@@ -185,28 +236,89 @@ class SessionMirror:
     def remove(self, sid: str) -> None:
         """Delete the shared copy, leaving a tombstone for a while: a replica that still has
         a copy then deletes its own instead of publishing it again."""
-        meta = self._call(self.client.get, self._key(sid, "meta"))
+        meta, blobs = self._call(
+            self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]
+        )
         commit = self.client.pipeline(transaction=True)
-        commit.delete(self._key(sid, "meta"), self._key(sid, "gen"))
+        commit.delete(*(self._key(sid, p) for p in ("meta", "gen", "blobs")))
         commit.set(self._key(sid, "gone"), 1, ex=TOMBSTONE_SECONDS)
         self._call(commit.execute)
         if meta:
-            self._forget_segments(sid, json.loads(meta)["segments"])
+            self._forget_version(sid, meta, blobs or b"")
 
-    def _part_keys(self, sid: str, name: str, size: int) -> list[str]:
+    # ---- segment bytes ---------------------------------------------------------------------
+    def _digest(self, path: Path) -> str:
+        """A segment file's SHA-256 (files are immutable; hard links share the inode)."""
+        st = path.stat()
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._digests_lock:
+            if key in self._digests:
+                self._digests.move_to_end(key)
+                return self._digests[key]
+        with path.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        with self._digests_lock:
+            self._digests[key] = digest
+            while len(self._digests) > DIGESTS_KEPT:
+                self._digests.popitem(last=False)
+        return digest
+
+    def _upload(self, ours: str, sizes: dict[str, int], files: dict[str, Path]) -> None:
+        """Reference every blob of a version, then upload those not whole in the tier. In this
+        order, a blob found whole stays: its last other reference could only drop it before
+        ours was added."""
+        pipe = self.client.pipeline(transaction=False)
+        for digest in sizes:
+            pipe.sadd(self._blob_key(digest, "refs"), ours)
+        for digest, size in sizes.items():
+            pipe.exists(*self._part_keys(digest, size))
+        found = self._call(pipe.execute)[len(sizes) :]
+        for (digest, size), whole in zip(sizes.items(), found, strict=True):
+            keys = self._part_keys(digest, size)
+            if whole == len(keys):
+                continue
+            data = files[digest].read_bytes()
+            pipe = self.client.pipeline(transaction=False)
+            for i, key in enumerate(keys):  # same digest, same bytes: any copy there is ours
+                pipe.set(key, data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], nx=True)
+            self._call(pipe.execute)
+
+    def _part_keys(self, digest: str, size: int) -> list[str]:
+        parts = max(1, -(-size // self.chunk_bytes))
+        return [self._blob_key(digest, str(i)) for i in range(parts)]
+
+    def _legacy_keys(self, sid: str, name: str, size: int) -> list[str]:
+        """Where a version published before blobs were shared keeps a segment file."""
         parts = max(1, -(-size // self.chunk_bytes))
         return [self._key(sid, f"seg:{name}:{i}") for i in range(parts)]
 
-    def _forget_segments(self, sid: str, segments: list[dict[str, Any]]) -> None:
-        """Drop the keys of segments no version names any more (best effort: a leftover only
-        costs space)."""
-        keys = [k for s in segments for k in self._part_keys(sid, s["file"], int(s["bytes"]))]
-        if not keys:
-            return
+    def _forget_version(self, sid: str, meta: bytes, blobs: bytes) -> None:
+        """Drop what a replaced or deleted version held (best effort: a leftover only costs
+        space)."""
         try:
-            self.client.delete(*keys)
+            old = json.loads(meta)
+            segments = [(str(s["file"]), int(s["bytes"])) for s in old["segments"]]
+            if not blobs:  # published before blobs were shared: its own keys
+                keys = [k for name, size in segments for k in self._legacy_keys(sid, name, size)]
+                if keys:
+                    self.client.delete(*keys)
+                return
+            digests = json.loads(blobs)
+            sizes = {str(digests[name]): size for name, size in segments}
+            self._forget_blobs(_reference(sid, old["generation"], old["commit"]), sizes)
+        except (ValueError, KeyError, TypeError, redis.RedisError) as e:
+            log.warning("could not drop the old segments of session %s: %r", sid, e)
+
+    def _forget_blobs(self, ours: str, sizes: dict[str, int]) -> None:
+        """Drop one version's references; blobs nobody names any more go (best effort)."""
+        pipe = self.client.pipeline(transaction=False)
+        for digest, size in sizes.items():
+            keys = [self._blob_key(digest, "refs"), *self._part_keys(digest, size)]
+            self._unref(keys=keys, args=[ours], client=pipe)
+        try:
+            pipe.execute()
         except redis.RedisError as e:
-            log.warning("could not drop old segments of session %s: %s", sid, e)
+            log.warning("could not drop the references of %s: %s", ours, e)
 
     # ---- leases ----------------------------------------------------------------------------
     def acquire(self, sid: str, wait: float) -> bool:

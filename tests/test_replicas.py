@@ -6,6 +6,7 @@ at once."""
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import signal
 import subprocess
 import time
@@ -254,6 +255,127 @@ def test_redis_going_away_and_coming_back_empty_loses_no_session(tmp_path, tiny_
             assert view["tokens"] > stored
 
 
+def _blob_parts(client) -> list[bytes]:
+    """The keys holding segment bytes in the tier (not their reference sets)."""
+    return [k for k in client.keys("cdlm:session:blob:*") if not k.endswith(b":refs")]
+
+
+def _tier_bytes(client) -> int:
+    return sum(client.strlen(k) for k in _blob_parts(client))
+
+
+def _filled_cache(slots: int):
+    import torch
+
+    from models.kv_cache import KVCache
+
+    cache = KVCache.allocate(2, 1, 2, 8, slots, "cpu", torch.float32)
+    for layer in range(2):
+        cache.keys[layer][0] = torch.randn(2, slots, 8)
+        cache.values[layer][0] = torch.randn(2, slots, 8)
+    return cache
+
+
+def _turn(root: Path, sid: str, cache, slots: int, parent=None):
+    """A session of `slots` slots. With `parent`, only the slots past it are written: another
+    session is forked from it as a response is (its segments hard-linked), the same one
+    appended to."""
+    from engine import session_files
+    from engine.session_files import Version
+
+    cache.lengths[0] = cache.logical[0] = slots
+    draft = Version(sid, "m", list(range(slots)), None, [], 0.0, 0, 0, 0, [])
+    if parent is None:
+        return session_files.write_version(root / sid, draft, cache, 0)
+    draft.segments = list(parent.segments)
+    fork = parent.id != sid
+    draft.generation = 0 if fork else parent.generation
+    return session_files.write_version(
+        root / sid, draft, cache, parent.length, link_from=root / parent.id if fork else None
+    )
+
+
+def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path):
+    """A response is forked from the one before and hard-links its segments: the tier keeps a
+    segment once by its content, not once per session naming it (a conversation of N turns held
+    N^2/2 turns' worth). A blob goes with the last version naming it; a refused publish takes
+    back only its own references."""
+    import redis
+
+    from engine.session_mirror import MirrorError, SessionConflict, SessionMirror
+
+    cache = _filled_cache(256)
+    root = tmp_path / "a"
+    for folder in "abc":
+        (tmp_path / folder).mkdir()
+    with running_redis(tmp_path) as url:
+        mirror, client = SessionMirror(url), redis.Redis.from_url(url)
+        turns = []
+        for n in range(6):
+            turns.append(_turn(root, f"r{n}", cache, 40 * (n + 1), turns[-1] if turns else None))
+            assert mirror.acquire(f"r{n}", 1)
+            mirror.publish(f"r{n}", root / f"r{n}", turns[-1], parent=None)
+        files = {seg.file: seg.bytes for v in turns for seg in v.segments}
+        assert len(files) == 6 and len(turns[-1].segments) == 6  # each turn wrote one
+        once = sum(files.values())
+        assert _tier_bytes(client) == once  # not sum(v.disk_bytes for v in turns): ~3.5x
+        for version in turns[:-1]:  # the earlier responses deleted: the last one is whole
+            mirror.remove(version.id)
+        assert _tier_bytes(client) == once
+        assert SessionMirror(url).fetch("r5", tmp_path / "b" / "r5") == turns[-1]
+
+        last = turns[-1]
+        grown = _turn(root, "r5", cache, 250, last)  # an append: one new segment
+        with pytest.raises(SessionConflict):  # not made from the shared copy
+            mirror.publish("r5", root / "r5", grown, parent=None)
+        assert _tier_bytes(client) == once  # its new segment's upload taken back, nothing else
+        mirror.publish("r5", root / "r5", grown, parent=last)
+        assert _tier_bytes(client) == once + grown.segments[-1].bytes
+        rewritten = _turn(root, "r5", cache, 250)  # every slot in one new file (a compaction)
+        mirror.publish("r5", root / "r5", rewritten, parent=grown)
+        assert _tier_bytes(client) == rewritten.disk_bytes  # the replaced ones' blobs dropped
+        assert SessionMirror(url).fetch("r5", tmp_path / "c" / "r5") == rewritten
+        (part,) = _blob_parts(client)
+        client.setrange(part, 1000, b"\xff\xfe")  # bytes damaged in the tier: never installed
+        with pytest.raises(MirrorError, match="damaged"):
+            SessionMirror(url).fetch("r5", tmp_path / "c" / "r5")
+        mirror.remove("r5")
+        assert client.keys("cdlm:session:blob:*") == []
+        mirror.close()
+
+
+def test_a_session_published_before_blobs_were_shared_is_still_read(tmp_path):
+    """The tier's earlier layout (each session's segments under its own keys, no `blobs`) is
+    fetched as it is, and replaced by the shared layout at the session's next publish."""
+    import json
+
+    import redis
+
+    from engine.session_mirror import SessionMirror
+
+    cache = _filled_cache(64)
+    for folder in "abc":
+        (tmp_path / folder).mkdir()
+    old = _turn(tmp_path / "a", "s", cache, 50)
+    seg = old.segments[0]
+    with running_redis(tmp_path) as url:
+        client = redis.Redis.from_url(url)
+        client.set(
+            f"cdlm:session:s:seg:{seg.file}:0", (tmp_path / "a" / "s" / seg.file).read_bytes()
+        )
+        client.set("cdlm:session:s:meta", json.dumps(old.to_json()))
+        client.set("cdlm:session:s:gen", f"{old.generation}:{old.commit}")
+        mirror = SessionMirror(url)
+        assert mirror.fetch("s", tmp_path / "b" / "s") == old
+        assert mirror.acquire("s", 1)
+        new = _turn(tmp_path / "a", "s", cache, 60, old)
+        mirror.publish("s", tmp_path / "a" / "s", new, parent=old)
+        assert client.keys("cdlm:session:s:seg:*") == []
+        assert _tier_bytes(client) == new.disk_bytes
+        assert mirror.fetch("s", tmp_path / "c" / "s") == new
+        mirror.close()
+
+
 def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
     """Redis holds at most 512 MB in one value; a segment goes in parts of `chunk_bytes` and
     comes back whole (here with parts of 1,000 bytes), and a delete drops every part."""
@@ -279,7 +401,7 @@ def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
         assert mirror.acquire("s", 1)
         mirror.publish("s", tmp_path / "a" / "s", version, parent=None)
         client = redis.Redis.from_url(url)
-        parts = client.keys("cdlm:session:s:seg:*")
+        parts = _blob_parts(client)
         assert len(parts) == -(-version.segments[0].bytes // 1000)
         assert max(len(client.get(k)) for k in parts) == 1000
         (tmp_path / "b").mkdir()
@@ -290,7 +412,7 @@ def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
             tmp_path / "a" / "s" / seg
         ).read_bytes()
         mirror.remove("s")
-        assert client.keys("cdlm:session:s:seg:*") == []
+        assert client.keys("cdlm:session:blob:*") == []
         mirror.release("s")
         mirror.close()
 
@@ -323,3 +445,10 @@ def test_a_response_is_continued_and_compacted_on_other_replicas(cluster):
     )
     assert refused.status_code == 400, refused.text
     assert not redis.Redis.from_url(redis_url).keys("*:gone")
+    # Each response names its ancestors' segments: the tier holds every distinct one once.
+    held = {
+        hashlib.sha256(f.read_bytes()).digest(): f.stat().st_size
+        for folder in (folder_a, folder_b)
+        for f in folder.glob("*/kv-*.safetensors")
+    }
+    assert _tier_bytes(redis.Redis.from_url(redis_url)) == sum(held.values())
