@@ -35,9 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
 from bench.facts import Probe, fact_nlls, kept, make_context, measure
@@ -49,6 +50,17 @@ from models.loading import load_model
 from models.sources import DEFAULT_AR_MODEL, resolve
 
 
+class Watch(Protocol):
+    """What a caller of `feed` may follow (bench.compaction_ceiling tracks which token each
+    slot holds): each append with its hidden states, and each compaction's start and end."""
+
+    def appended(self, start: int, hidden: Tensor) -> None: ...  # hidden [n, hidden]
+
+    def compacting(self) -> None: ...
+
+    def compacted(self) -> None: ...
+
+
 def feed(
     model,
     tok,
@@ -56,11 +68,13 @@ def feed(
     args,
     method: str | None,
     checkpoint: Callable[[int, KVCache], None] | None = None,
+    watch: Watch | None = None,
 ) -> dict:
     """Append `ids` chunk by chunk, compacting by the policy after each (no compaction for
     method None). Returns the final cache and what happened on the way. `checkpoint(fed,
     cache)` is called after each append (and its compaction) that crosses a multiple of
-    `args.curve_every` tokens, and after the last."""
+    `args.curve_every` tokens, and after the last; `watch` is told of every append and
+    compaction."""
     every = getattr(args, "curve_every", 0) or len(ids)
     policy, schedule = None, None
     if method is not None:
@@ -82,16 +96,22 @@ def feed(
         for start in range(0, len(ids), args.chunk):
             chunk = ids[start : start + args.chunk]
             cache.ensure_capacity(cache.lengths[0] + len(chunk))
-            model(torch.tensor([chunk], device=model.device), cache=cache)
+            hidden = model(torch.tensor([chunk], device=model.device), cache=cache)
+            if watch is not None:
+                watch.appended(start, hidden[0])
             largest = max(largest, cache.lengths[0])
             fed = start + len(chunk)
             physical = cache.lengths[0]
             target = policy.target(physical) if policy and policy.due(physical) else None
             if policy is not None and target is not None:
                 last = reports[-1].segment_slots if reports else None
+                if watch is not None:
+                    watch.compacting()
                 reports.append(
                     _compact(model, tok, cache, ids[:fed], target, policy, schedule, last)
                 )
+                if watch is not None:
+                    watch.compacted()
                 seconds += reports[-1].seconds["total"]
             if checkpoint is not None and (fed // every > start // every or fed == len(ids)):
                 checkpoint(fed, cache)
@@ -187,9 +207,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> list[dict]:
+# A fact's statement in a context's ids: its first token, its answer's first, its end.
+Span = tuple[int, int, int]
+# A run of one method on a context's ids: (ids, method, checkpoint, the facts' spans) -> what
+# `feed` returns.
+Feeder = Callable[[list[int], str, Callable[[int, KVCache], None] | None, list[Span]], dict]
+
+
+def _context_runs(
+    model, tok, text: str, rng: random.Random, c: int, args, feeder: Feeder | None = None
+) -> list[dict]:
     """One context (its own facts and place in the text): the full cache's run, then each
-    method's, each row tagged with the context's index."""
+    method's (by `feed`, or `feeder`), each row tagged with the context's index."""
     # The context is cut a little short of --tokens: the questions must fit the model too.
     context, facts, continuation = make_context(text, tok, args.tokens, args.facts, rng)
     ids = tok(context, add_special_tokens=False).input_ids
@@ -204,10 +233,12 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
         recon_prompt=encode("\n\n") + ids[:1],
         recon_target=ids[1:65],
     )
-    ends = [
-        len(encode(context[: context.index(f.statement[:-1]) + len(f.statement) - 1]))
-        for f in facts
-    ]  # the tokens fed once each fact has been read
+    spans = []  # each fact's statement in ids: its first token, its answer's, its end
+    for f in facts:
+        at = context.index(f.statement[:-1])
+        end = len(encode(context[: at + len(f.statement) - 1]))  # without the final period
+        spans.append((len(encode(context[:at])), end - len(encode(f.answer)) + 1, end))
+    ends = [end for _, _, end in spans]  # the tokens fed once each fact has been read
     none_each = fact_nlls(model, None, probe)
     none = measure(model, None, probe, em=False, facts=list(none_each.values()))
     started = time.perf_counter()
@@ -228,7 +259,11 @@ def _context_runs(model, tok, text: str, rng: random.Random, c: int, args) -> li
     rows = [_row("full cache", full, base, none, base) | {"context": c}]
     for method in args.methods:
         curve = _Curve(model, probe, ends)
-        run = feed(model, tok, ids, args, method, curve.at if args.curve_every else None)
+        checkpoint = curve.at if args.curve_every else None
+        if feeder is None:
+            run = feed(model, tok, ids, args, method, checkpoint)
+        else:
+            run = feeder(ids, method, checkpoint, spans)
         got_each = fact_nlls(model, run["cache"], probe)
         got = measure(model, run["cache"], probe, em=False, facts=list(got_each.values()))
         rows.append(

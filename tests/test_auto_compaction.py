@@ -360,3 +360,38 @@ def test_the_online_bench_measures_its_curve_after_each_compaction(tiny_llama_di
     none8 = {i: 5.0 for i in range(8)}
     full8 = {i: 1.0 for i in range(8)}
     assert _by_depth(none8, full8, {i: 1.0 if i < 2 else 5.0 for i in range(8)}) == [1, 0, 0, 0]
+
+
+def test_the_ceiling_bench_knows_which_token_each_slot_holds(tiny_llama_dir):
+    """bench/compaction_ceiling.py tracks the token each slot of each head holds through
+    appends and compactions (a layer-0 key depends on its token and position only: each slot's
+    is the full cache's at its token), its oracle still holds every fact's answer after all the
+    compactions (they fit its share), and the surprisal of the first chunk is its tokens' NLL."""
+    import argparse
+
+    import tiny_models
+    from bench import compaction_ceiling as ceiling
+    from bench.online_compaction import feed
+    from models.loading import load_model
+
+    model, _ = load_model(tiny_llama_dir)
+    tok = tiny_models.byte_tokenizer()
+    ids = [(i * 7) % 200 + 10 for i in range(300)]
+    args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32)
+    spans = [(20, 46, 49), (120, 157, 160)]  # two "facts": statement, answer, end
+    run = ceiling.run(model, tok, args, ids, "oracle", None, spans)
+    full = feed(model, tok, ids, args, None)["cache"]
+    cache, tracker = run["cache"], run["tracker"]
+    assert run["compactions"] >= 3 and cache.logical == [300]
+    answers = {*range(45, 49), *range(156, 160)}
+    for g in range(model.config.num_kv_heads):
+        held = tracker.positions[0][g]
+        assert len(held) == cache.lengths[0]
+        torch.testing.assert_close(cache.keys[0][0, g, : len(held)], full.keys[0][0, g, held])
+        for layer in range(model.config.num_layers):
+            assert answers <= set(tracker.positions[layer][g].tolist())
+
+    surprisal = ceiling.run(model, tok, args, ids, "surprisal", None, spans)["tracker"].standing
+    logits = model.logits(model(torch.tensor([ids[:32]]))[0]).float()
+    nll = torch.nn.functional.cross_entropy(logits[:31], torch.tensor(ids[1:32]), reduction="none")
+    torch.testing.assert_close(surprisal[1:32], nll)

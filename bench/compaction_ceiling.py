@@ -1,0 +1,199 @@
+"""How much of the facts online compaction could keep at this size: bench.online_compaction's
+runs (the same feed, policy, probe and contexts) with each head's slots chosen by a selection
+that knows where the facts stand, against real selections through the same harness.
+
+    python -m bench.compaction_ceiling [--contexts 3] [--selections oracle oracle+beta
+                                       surprisal am-h2o] [--json out.json]
+
+Every selection runs as `am-h2o` does (its reference and context queries, its policy), only the
+keys differ; each run tracks which token of the context every slot of every (layer, KV head)
+holds, so a slot kept once keeps its token's standing at the next compaction:
+
+- `oracle`: three quarters of a head's slots to the facts' tokens, their answers (the code
+  word and digits, and the token before them) first, then the rest of their statements, the
+  most recent first among equals; an eighth to H2O's heavy hitters (attention accumulated by the
+  context's queries), an eighth to the most recent slots; the kept slots' own keys, values and
+  bias (no fit). No real method knows where the facts are: the ceiling of key selection here.
+- `oracle+beta`: the same keys, beta fitted (Attention Matching's mass correction, am-h2o's fit).
+- `surprisal`: half the slots recent, a quarter heavy hitters, a quarter by the tokens'
+  surprisal (their NLL when appended: self-information, as Selective Context ranks tokens), no
+  fit. A fact's code word and digits are the least predictable tokens of a fact.
+- `am-h2o`: H2O's keys with beta fitted, as the engine's method (this harness reproduces it:
+  0.607 facts on context 0 against the online bench's 0.61).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from bench import online_compaction as online
+from bench.compaction import _text, save_json
+from engine import attention_matching as am
+from engine import compaction_baselines as baselines
+from engine import kv_compaction
+from engine.attention_matching import HeadInputs, HeadResult
+from models.loading import load_model
+from models.sources import DEFAULT_AR_MODEL, resolve
+
+SELECTIONS = ("oracle", "oracle+beta", "surprisal", "am-h2o")
+# Each selection's shares of a head's slots: (recent, heavy hitters); the rest by its ranking.
+SHARES = {"oracle": (1 / 8, 1 / 8), "surprisal": (1 / 2, 1 / 4)}
+
+
+@dataclass(eq=False)
+class Tracker:
+    """Which context token each slot of each (layer, KV head) holds, through appends and
+    compactions, and each token's standing for the selection (`online.Watch`)."""
+
+    layers: int
+    heads: int
+    selection: str
+    ids: list[int]
+    logits: Callable[[Tensor], Tensor]  # hidden [n, hidden] -> logits [n, vocab]
+    standing: Tensor  # [len(ids)] the oracle's priorities, or the surprisal as appended
+    positions: list[list[Tensor]] = field(default_factory=list)  # [layer][head] -> [slots]
+    calls: int = 0
+    chosen: dict[tuple[int, int], tuple[Tensor, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        empty = torch.zeros(0, dtype=torch.long)
+        self.positions = [[empty] * self.heads for _ in range(self.layers)]
+
+    def appended(self, start: int, hidden: Tensor) -> None:
+        n = hidden.shape[0]
+        if self.selection == "surprisal":  # the NLL of each next token, as the model read it
+            following = torch.tensor(self.ids[start + 1 : start + n + 1])  # [<= n]
+            nll = -torch.log_softmax(self.logits(hidden[: len(following)]).float(), -1)
+            self.standing[start + 1 : start + 1 + len(following)] = nll[
+                torch.arange(len(following)), following
+            ].cpu()
+        new = torch.arange(start, start + n)
+        for layer in self.positions:
+            for g in range(self.heads):
+                layer[g] = torch.cat([layer[g], new])
+
+    def compacting(self) -> None:
+        self.calls, self.chosen = 0, {}
+
+    def compacted(self) -> None:
+        assert len(self.chosen) == self.layers * self.heads, "a head was not compacted"
+        for (layer, g), (index, region) in self.chosen.items():
+            held = self.positions[layer][g]
+            self.positions[layer][g] = torch.cat([held[:region][index], held[region:]])
+
+    def compact_head(
+        self, h: HeadInputs, t: int, method: str, *_: object, **__: object
+    ) -> HeadResult:
+        """`kv_compaction.compact_head` while instrumented: heads come layer by layer, each
+        layer's in order (the bench fits inline)."""
+        layer, g = divmod(self.calls, self.heads)
+        self.calls += 1
+        region = h.keys.shape[0]
+        index = self.select(h, t, self.positions[layer][g][:region])
+        self.chosen[(layer, g)] = (index, region)
+        if self.selection in ("oracle+beta", "am-h2o"):
+            return am.fit(h, index, values=False)
+        return am.keep(h, index)
+
+    def select(self, h: HeadInputs, t: int, positions: Tensor) -> Tensor:
+        """t of the region's slots (their tokens at `positions`), sorted."""
+        if self.selection == "am-h2o":
+            return baselines.h2o(h, t)
+        recent, heavy = SHARES[self.selection.split("+")[0]]
+        region = h.keys.shape[0]
+        chosen = torch.zeros(region, dtype=torch.bool)
+        chosen[region - int(t * recent) :] = True
+        hitters = baselines.accumulated_attention(h)
+        hitters[chosen] = -1.0
+        chosen[hitters.topk(int(t * heavy)).indices] = True
+        rank = self.standing[positions].clone()
+        rank[chosen] = float("-inf")
+        chosen[rank.topk(t - int(chosen.sum())).indices] = True
+        return chosen.nonzero().flatten()
+
+
+def oracle_standing(length: int, spans: list[online.Span]) -> Tensor:
+    """[length] 2 for a fact's answer tokens and the one before, 1 for the rest of its
+    statement, 0 elsewhere; later positions a little higher among equals."""
+    standing = torch.arange(length, dtype=torch.float32) / (10.0 * length)
+    for begin, answer, end in spans:
+        standing[begin:end] += 1.0
+        standing[answer - 1 : end] += 1.0
+    return standing
+
+
+@contextmanager
+def instrumented(tracker: Tracker) -> Iterator[None]:
+    """The engine's compactions choose their keys by `tracker` for the duration."""
+    real = kv_compaction.compact_head
+    kv_compaction.compact_head = tracker.compact_head  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kv_compaction.compact_head = real
+
+
+def run(model, tok, args, ids: list[int], selection: str, checkpoint, spans) -> dict:
+    """One selection's online run on a context (`online.Feeder`), with its tracker."""
+    cfg = model.config
+    standing = oracle_standing(len(ids), spans) if selection.startswith("oracle") else None
+    tracker = Tracker(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        selection,
+        ids,
+        model.logits,
+        torch.zeros(len(ids)) if standing is None else standing,
+    )
+    with instrumented(tracker):
+        result = online.feed(model, tok, ids, args, "am-h2o", checkpoint, watch=tracker)
+    return result | {"tracker": tracker}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_AR_MODEL)
+    p.add_argument("--text", help="as bench.compaction's --text")
+    p.add_argument("--tokens", type=int, default=8000)
+    p.add_argument("--facts", type=int, default=40)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=768)
+    p.add_argument("--ratio", type=float, default=4)
+    p.add_argument("--keep-recent", type=int, default=128)
+    p.add_argument("--selections", nargs="+", choices=SELECTIONS, default=list(SELECTIONS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contexts", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    args.methods, args.curve_every, args.dtype = args.selections, 0, "float32"
+
+    from transformers import AutoTokenizer
+
+    folder = resolve(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model, _ = load_model(folder, dtype=torch.float32)
+    text = _text(args.text)
+    rows: list[dict] = []
+
+    def feeder(ids, selection, checkpoint, spans):
+        return run(model, tok, args, ids, selection, checkpoint, spans)
+
+    for c in range(args.contexts):
+        rng = random.Random(args.seed + c)
+        rows += online._context_runs(model, tok, text, rng, c, args, feeder)
+        if args.json:
+            save_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "rows": rows})
+    online._print(rows, args)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
