@@ -29,7 +29,6 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ from engine import compaction_baselines as baselines
 from engine import kv_compaction
 from engine.attention_matching import HeadInputs, HeadResult
 from models.loading import load_model
-from models.sources import DEFAULT_AR_MODEL, resolve
+from models.sources import resolve
 
 SELECTIONS = ("oracle", "oracle+beta", "surprisal", "am-h2o")
 # Each selection's shares of a head's slots: (recent, heavy hitters); the rest by its ranking.
@@ -160,18 +159,8 @@ def run(model, tok, args, ids: list[int], selection: str, checkpoint, spans) -> 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_AR_MODEL)
-    p.add_argument("--text", help="as bench.compaction's --text")
-    p.add_argument("--tokens", type=int, default=8000)
-    p.add_argument("--facts", type=int, default=40)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=768)
-    p.add_argument("--ratio", type=float, default=4)
-    p.add_argument("--keep-recent", type=int, default=128)
+    online.feed_arguments(p)
     p.add_argument("--selections", nargs="+", choices=SELECTIONS, default=list(SELECTIONS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--contexts", type=int, default=3)
-    p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     args.methods, args.curve_every, args.dtype = args.selections, 0, "float32"
 
