@@ -5,7 +5,8 @@ never change one session at once.
 Keys (all under `prefix`, default "cdlm:session:"):
 
     <id>:meta            the committed version's meta.json (`engine.session_files` format)
-    <id>:blobs           its segment files' SHA-256 digests ({file: digest}, JSON)
+    <id>:blobs           its segment files' SHA-256 digests, JSON: {"version": its gen,
+                         "files": {file: digest}}
     <id>:gen             its "<generation>:<commit>" (a replica whose copy differs fetches it)
     <id>:lease           the owner token of the replica changing the session (with an expiry)
     <id>:gone            a tombstone left by a delete (a replica's stale copy is not revived)
@@ -31,7 +32,8 @@ name (re-reading them if a newer version dropped one meanwhile), checks each aga
 digest and installs them in the local folder (`session_files.install`): a crash leaves the old
 copy or none, never a mix. Deleting drops meta, blobs and gen and leaves a tombstone (the commit
 point), then drops the references. Versions published before blobs were shared (no `blobs`
-key) are read from their per-session keys (`<id>:seg:<file>:<i>`), dropped when replaced.
+key, or one left by a later version: a replica not yet upgraded published over it) are read from
+their per-session keys (`<id>:seg:<file>:<i>`), dropped when replaced.
 
 The shared copy is the truth: a replica whose copy differs from it (another replica changed the
 session, or this replica's own last change was refused) fetches it before using the session.
@@ -117,6 +119,18 @@ def stamp(version: Version) -> str:
     return f"{version.generation}:{version.commit}"
 
 
+def _digests(meta: dict[str, Any], blobs: bytes | None) -> dict[str, str] | None:
+    """The digests of a version's segment files by name; None for a version published before
+    blobs were shared (the record missing, or a later version's: a replica not upgraded yet
+    published over it)."""
+    if not blobs:
+        return None
+    record = json.loads(blobs)
+    if record["version"] != f"{meta['generation']}:{meta['commit']}":
+        return None
+    return {str(name): str(digest) for name, digest in record["files"].items()}
+
+
 def _reference(sid: str, generation: Any, commit: Any) -> str:
     """A version's name in a blob's references (session ids have no "@")."""
     return f"{sid}@{generation}:{commit}"
@@ -183,7 +197,7 @@ class SessionMirror:
                 "" if parent is None else stamp(parent),
                 stamp(version),
                 json.dumps(version.to_json()),
-                json.dumps(digests),
+                json.dumps({"version": stamp(version), "files": digests}),
             ],
         )  # raising, it may have committed: our references stay (at worst a leftover)
         if status in (b"lease", b"conflict"):
@@ -206,15 +220,16 @@ class SessionMirror:
             if meta is None:
                 return None
             try:
-                segments = [(s["file"], int(s["bytes"])) for s in json.loads(meta)["segments"]]
-                digests = None if blobs is None else dict(json.loads(blobs))
+                version = json.loads(meta)
+                segments = [(s["file"], int(s["bytes"])) for s in version["segments"]]
+                digests = _digests(version, blobs)
                 keys = {
                     name: self._legacy_keys(sid, name, size)
                     if digests is None
-                    else self._part_keys(str(digests[name]), size)
+                    else self._part_keys(digests[name], size)
                     for name, size in segments
                 }
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise MirrorError(
                     f"the shared copy of session {sid!r} is unreadable: {e!r}"
                 ) from None
@@ -244,7 +259,7 @@ class SessionMirror:
         commit.set(self._key(sid, "gone"), 1, ex=TOMBSTONE_SECONDS)
         self._call(commit.execute)
         if meta:
-            self._forget_version(sid, meta, blobs or b"")
+            self._forget_version(sid, meta, blobs)
 
     # ---- segment bytes ---------------------------------------------------------------------
     def _digest(self, path: Path) -> str:
@@ -292,21 +307,21 @@ class SessionMirror:
         parts = max(1, -(-size // self.chunk_bytes))
         return [self._key(sid, f"seg:{name}:{i}") for i in range(parts)]
 
-    def _forget_version(self, sid: str, meta: bytes, blobs: bytes) -> None:
+    def _forget_version(self, sid: str, meta: bytes, blobs: bytes | None) -> None:
         """Drop what a replaced or deleted version held (best effort: a leftover only costs
         space)."""
         try:
             old = json.loads(meta)
             segments = [(str(s["file"]), int(s["bytes"])) for s in old["segments"]]
-            if not blobs:  # published before blobs were shared: its own keys
+            digests = _digests(old, blobs)
+            if digests is None:  # published before blobs were shared: its own keys
                 keys = [k for name, size in segments for k in self._legacy_keys(sid, name, size)]
                 if keys:
                     self.client.delete(*keys)
                 return
-            digests = json.loads(blobs)
             sizes = {str(digests[name]): size for name, size in segments}
             self._forget_blobs(_reference(sid, old["generation"], old["commit"]), sizes)
-        except (ValueError, KeyError, TypeError, redis.RedisError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, redis.RedisError) as e:
             log.warning("could not drop the old segments of session %s: %r", sid, e)
 
     def _forget_blobs(self, ours: str, sizes: dict[str, int]) -> None:

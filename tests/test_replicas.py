@@ -346,7 +346,9 @@ def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path):
 
 def test_a_session_published_before_blobs_were_shared_is_still_read(tmp_path):
     """The tier's earlier layout (each session's segments under its own keys, no `blobs`) is
-    fetched as it is, and replaced by the shared layout at the session's next publish."""
+    fetched as it is, and replaced by the shared layout at the session's next publish; a
+    replica not upgraded yet that publishes over a shared-layout version (leaving its `blobs`
+    record behind) is read in its layout too."""
     import json
 
     import redis
@@ -357,14 +359,17 @@ def test_a_session_published_before_blobs_were_shared_is_still_read(tmp_path):
     for folder in "abc":
         (tmp_path / folder).mkdir()
     old = _turn(tmp_path / "a", "s", cache, 50)
-    seg = old.segments[0]
+
+    def publish_as_before(client, version) -> None:  # what the earlier SessionMirror wrote
+        for seg in version.segments:
+            data = (tmp_path / "a" / "s" / seg.file).read_bytes()
+            client.set(f"cdlm:session:s:seg:{seg.file}:0", data)
+        client.set("cdlm:session:s:meta", json.dumps(version.to_json()))
+        client.set("cdlm:session:s:gen", f"{version.generation}:{version.commit}")
+
     with running_redis(tmp_path) as url:
         client = redis.Redis.from_url(url)
-        client.set(
-            f"cdlm:session:s:seg:{seg.file}:0", (tmp_path / "a" / "s" / seg.file).read_bytes()
-        )
-        client.set("cdlm:session:s:meta", json.dumps(old.to_json()))
-        client.set("cdlm:session:s:gen", f"{old.generation}:{old.commit}")
+        publish_as_before(client, old)
         mirror = SessionMirror(url)
         assert mirror.fetch("s", tmp_path / "b" / "s") == old
         assert mirror.acquire("s", 1)
@@ -373,6 +378,10 @@ def test_a_session_published_before_blobs_were_shared_is_still_read(tmp_path):
         assert client.keys("cdlm:session:s:seg:*") == []
         assert _tier_bytes(client) == new.disk_bytes
         assert mirror.fetch("s", tmp_path / "c" / "s") == new
+        older = _turn(tmp_path / "a", "s", cache, 64, new)  # by a replica not upgraded yet
+        publish_as_before(client, older)
+        assert client.exists("cdlm:session:s:blobs")  # the shared layout's record, stale
+        assert SessionMirror(url).fetch("s", tmp_path / "b" / "s") == older
         mirror.close()
 
 
