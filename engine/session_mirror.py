@@ -251,8 +251,9 @@ class SessionMirror:
     def remove(self, sid: str) -> None:
         """Delete the shared copy, leaving a tombstone for a while: a replica that still has
         a copy then deletes its own instead of publishing it again."""
-        meta, blobs = self._call(
-            self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]
+        meta, blobs = cast(
+            list[bytes | None],
+            self._call(self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]),
         )
         commit = self.client.pipeline(transaction=True)
         commit.delete(*(self._key(sid, p) for p in ("meta", "gen", "blobs")))
