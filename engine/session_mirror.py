@@ -131,6 +131,13 @@ def _digests(meta: dict[str, Any], blobs: bytes | None) -> dict[str, str] | None
     return {str(name): str(digest) for name, digest in record["files"].items()}
 
 
+def _inode(path: Path) -> tuple[int, ...]:
+    """What tells a file's bytes apart while it lives: its inode (shared by hard links), size
+    and modification time."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _reference(sid: str, generation: Any, commit: Any) -> str:
     """A version's name in a blob's references (session ids have no "@")."""
     return f"{sid}@{generation}:{commit}"
@@ -157,7 +164,7 @@ class SessionMirror:
         self._held_lock = threading.Lock()
         # (device, inode, size, mtime) -> SHA-256: a forked session's hard-linked segments are
         # hashed once, not at every turn's publish.
-        self._digests: OrderedDict[tuple[int, int, int, int], str] = OrderedDict()
+        self._digests: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self._digests_lock = threading.Lock()
         self._stop = threading.Event()
         renewer = threading.Thread(target=self._renew_loop, name="lease-renewer", daemon=True)
@@ -213,10 +220,7 @@ class SessionMirror:
         """Install the shared copy in `folder` (replacing what is there); None if there is
         none. The caller holds the session's lock (or the session is not in the table yet)."""
         for _ in range(3):
-            meta, blobs = cast(
-                list[bytes | None],
-                self._call(self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]),
-            )
+            meta, blobs = self._shared_copy(sid)
             if meta is None:
                 return None
             try:
@@ -243,18 +247,19 @@ class SessionMirror:
                     raise MirrorError(f"the shared copy of session {sid!r}: {name} is damaged")
             else:
                 try:
-                    return session_files.install(folder, meta, files)
+                    installed = session_files.install(folder, meta, files)
                 except CorruptSession as e:
                     raise MirrorError(f"the shared copy of session {sid!r}: {e}") from None
+                if digests is not None:  # checked above: the next publish need not hash them
+                    for name in files:
+                        self._remember(folder / name, digests[name])
+                return installed
         raise MirrorError(f"session {sid!r} kept changing while it was fetched")
 
     def remove(self, sid: str) -> None:
         """Delete the shared copy, leaving a tombstone for a while: a replica that still has
         a copy then deletes its own instead of publishing it again."""
-        meta, blobs = cast(
-            list[bytes | None],
-            self._call(self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]),
-        )
+        meta, blobs = self._shared_copy(sid)
         commit = self.client.pipeline(transaction=True)
         commit.delete(*(self._key(sid, p) for p in ("meta", "gen", "blobs")))
         commit.set(self._key(sid, "gone"), 1, ex=TOMBSTONE_SECONDS)
@@ -262,22 +267,32 @@ class SessionMirror:
         if meta:
             self._forget_version(sid, meta, blobs)
 
+    def _shared_copy(self, sid: str) -> tuple[bytes | None, bytes | None]:
+        """The shared copy's meta and blobs record, read together (one commit set both)."""
+        meta, blobs = cast(
+            list[bytes | None],
+            self._call(self.client.mget, [self._key(sid, "meta"), self._key(sid, "blobs")]),
+        )
+        return meta, blobs
+
     # ---- segment bytes ---------------------------------------------------------------------
     def _digest(self, path: Path) -> str:
         """A segment file's SHA-256 (files are immutable; hard links share the inode)."""
-        st = path.stat()
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = _inode(path)
         with self._digests_lock:
             if key in self._digests:
                 self._digests.move_to_end(key)
                 return self._digests[key]
         with path.open("rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
+        self._remember(path, digest, key)
+        return digest
+
+    def _remember(self, path: Path, digest: str, key: tuple[int, ...] | None = None) -> None:
         with self._digests_lock:
-            self._digests[key] = digest
+            self._digests[key or _inode(path)] = digest
             while len(self._digests) > DIGESTS_KEPT:
                 self._digests.popitem(last=False)
-        return digest
 
     def _upload(self, ours: str, sizes: dict[str, int], files: dict[str, Path]) -> None:
         """Reference every blob of a version, then upload those not whole in the tier. In this
@@ -299,14 +314,16 @@ class SessionMirror:
                 pipe.set(key, data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], nx=True)
             self._call(pipe.execute)
 
+    def _parts(self, size: int) -> range:
+        """The indices of a file's parts of `chunk_bytes` (one for an empty file)."""
+        return range(max(1, -(-size // self.chunk_bytes)))
+
     def _part_keys(self, digest: str, size: int) -> list[str]:
-        parts = max(1, -(-size // self.chunk_bytes))
-        return [self._blob_key(digest, str(i)) for i in range(parts)]
+        return [self._blob_key(digest, str(i)) for i in self._parts(size)]
 
     def _legacy_keys(self, sid: str, name: str, size: int) -> list[str]:
         """Where a version published before blobs were shared keeps a segment file."""
-        parts = max(1, -(-size // self.chunk_bytes))
-        return [self._key(sid, f"seg:{name}:{i}") for i in range(parts)]
+        return [self._key(sid, f"seg:{name}:{i}") for i in self._parts(size)]
 
     def _forget_version(self, sid: str, meta: bytes, blobs: bytes | None) -> None:
         """Drop what a replaced or deleted version held (best effort: a leftover only costs

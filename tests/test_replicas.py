@@ -295,7 +295,7 @@ def _turn(root: Path, sid: str, cache, slots: int, parent=None):
     )
 
 
-def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path):
+def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path, monkeypatch):
     """A response is forked from the one before and hard-links its segments: the tier keeps a
     segment once by its content, not once per session naming it (a conversation of N turns held
     N^2/2 turns' worth). A blob goes with the last version naming it; a refused publish takes
@@ -322,7 +322,15 @@ def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path):
         for version in turns[:-1]:  # the earlier responses deleted: the last one is whole
             mirror.remove(version.id)
         assert _tier_bytes(client) == once
-        assert SessionMirror(url).fetch("r5", tmp_path / "b" / "r5") == turns[-1]
+        reader = SessionMirror(url)
+        assert reader.fetch("r5", tmp_path / "b" / "r5") == turns[-1]
+        # The fetched files were checked against their digests: their next publish reuses them.
+        with monkeypatch.context() as m:
+            m.setattr(hashlib, "file_digest", None)  # hashing again would fail
+            for seg in turns[-1].segments:
+                digest = hashlib.sha256((root / "r5" / seg.file).read_bytes()).hexdigest()
+                assert reader._digest(tmp_path / "b" / "r5" / seg.file) == digest
+        reader.close()
 
         last = turns[-1]
         grown = _turn(root, "r5", cache, 250, last)  # an append: one new segment
