@@ -3,7 +3,7 @@ runs (the same feed, policy, probe and contexts) with each head's slots chosen b
 that knows where the facts stand, against real selections through the same harness.
 
     python -m bench.compaction_ceiling [--contexts 3] [--selections oracle oracle+beta
-                                       surprisal am-h2o] [--json out.json]
+                                       surprisal kvzip am-h2o ...] [--json out.json]
 
 Every selection runs as `am-h2o` does (its reference and context queries, its policy), only the
 keys differ; each run tracks which token of the context every slot of every (layer, KV head)
@@ -18,6 +18,10 @@ holds, so a slot kept once keeps its token's standing at the next compaction:
 - `surprisal`: half the slots recent, a quarter heavy hitters, a quarter by the tokens'
   surprisal (their NLL when appended: self-information, as Selective Context ranks tokens), no
   fit. A fact's code word and digits are the least predictable tokens of a fact.
+- `kvzip`: KVzip's score, each key's largest attention from any repeat query (all of them:
+  the harness keeps each layer's reference queries before the fits' sample), no fit: the
+  engine's `kvzip`, whose online run this reproduces. `kvzip+beta`: beta fitted.
+  `kvzip-mixed`: a quarter recent, a quarter heavy hitters, half by that score, no fit.
 - `am-h2o`: H2O's keys with beta fitted, as the engine's method (this harness reproduces it:
   0.607 facts on context 0 against the online bench's 0.61).
 """
@@ -42,9 +46,22 @@ from engine.attention_matching import HeadInputs, HeadResult
 from models.loading import load_model
 from models.sources import resolve
 
-SELECTIONS = ("oracle", "oracle+beta", "surprisal", "am-h2o")
+SELECTIONS = (
+    "oracle",
+    "oracle+beta",
+    "surprisal",
+    "kvzip",
+    "kvzip+beta",
+    "kvzip-mixed",
+    "am-h2o",
+)
 # Each selection's shares of a head's slots: (recent, heavy hitters); the rest by its ranking.
-SHARES = {"oracle": (1 / 8, 1 / 8), "surprisal": (1 / 2, 1 / 4)}
+SHARES = {
+    "oracle": (1 / 8, 1 / 8),
+    "surprisal": (1 / 2, 1 / 4),
+    "kvzip": (0.0, 0.0),
+    "kvzip-mixed": (1 / 4, 1 / 4),
+}
 
 
 @dataclass(eq=False)
@@ -60,6 +77,7 @@ class Tracker:
     standing: Tensor  # [len(ids)] the oracle's priorities, or the surprisal as appended
     positions: list[list[Tensor]] = field(default_factory=list)  # [layer][head] -> [slots]
     calls: int = 0
+    repeat: dict[int, Tensor] = field(default_factory=dict)  # layer -> every repeat query
     chosen: dict[tuple[int, int], tuple[Tensor, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,27 +114,39 @@ class Tracker:
         layer, g = divmod(self.calls, self.heads)
         self.calls += 1
         region = h.keys.shape[0]
-        index = self.select(h, t, self.positions[layer][g][:region])
+        index = self.select(h, t, self.positions[layer][g][:region], layer, g)
         self.chosen[(layer, g)] = (index, region)
-        if self.selection in ("oracle+beta", "am-h2o"):
+        if self.selection.endswith("+beta") or self.selection == "am-h2o":
             return am.fit(h, index, values=False)
         return am.keep(h, index)
 
-    def select(self, h: HeadInputs, t: int, positions: Tensor) -> Tensor:
+    def select(self, h: HeadInputs, t: int, positions: Tensor, layer: int, g: int) -> Tensor:
         """t of the region's slots (their tokens at `positions`), sorted."""
         if self.selection == "am-h2o":
             return baselines.h2o(h, t)
         recent, heavy = SHARES[self.selection.split("+")[0]]
-        region = h.keys.shape[0]
-        chosen = torch.zeros(region, dtype=torch.bool)
-        chosen[region - int(t * recent) :] = True
+        if self.selection.startswith("kvzip"):
+            group = self.repeat[layer].shape[0] // self.heads
+            pooled = self.repeat[layer][g * group : (g + 1) * group]  # [G, n, D]
+            h.every_query = pooled.reshape(-1, h.keys.shape[1])
+            return _mixed(h, t, recent, heavy, am.repeat_max_scores(h))
+        return _mixed(h, t, recent, heavy, self.standing[positions])
+
+
+def _mixed(h: HeadInputs, t: int, recent: float, heavy: float, standing: Tensor) -> Tensor:
+    """t of the region's slots, sorted: the `recent` share most recent, the `heavy` share of
+    H2O's heavy hitters, the rest by `standing` [T]."""
+    region = h.keys.shape[0]
+    chosen = torch.zeros(region, dtype=torch.bool)
+    chosen[region - int(t * recent) :] = True
+    if heavy > 0:
         hitters = baselines.accumulated_attention(h)
         hitters[chosen] = -1.0
         chosen[hitters.topk(int(t * heavy)).indices] = True
-        rank = self.standing[positions].clone()
-        rank[chosen] = float("-inf")
-        chosen[rank.topk(t - int(chosen.sum())).indices] = True
-        return chosen.nonzero().flatten()
+    rank = standing.clone()
+    rank[chosen] = float("-inf")
+    chosen[rank.topk(t - int(chosen.sum())).indices] = True
+    return chosen.nonzero().flatten()
 
 
 def oracle_standing(length: int, spans: list[online.Span]) -> Tensor:
@@ -131,13 +161,21 @@ def oracle_standing(length: int, spans: list[online.Span]) -> Tensor:
 
 @contextmanager
 def instrumented(tracker: Tracker) -> Iterator[None]:
-    """The engine's compactions choose their keys by `tracker` for the duration."""
-    real = kv_compaction.compact_head
+    """The engine's compactions choose their keys by `tracker` for the duration; each layer's
+    reference queries (all of them, before the fits' sample) are kept for it."""
+    real, real_fit = kv_compaction.compact_head, kv_compaction._LayerFit._fit
+
+    def fit(self, layer: int, queries: Tensor, ranking):  # type: ignore[no-untyped-def]
+        tracker.repeat = {layer: queries.cpu()}
+        return real_fit(self, layer, queries, ranking)
+
     kv_compaction.compact_head = tracker.compact_head  # type: ignore[assignment]
+    kv_compaction._LayerFit._fit = fit  # type: ignore[method-assign]
     try:
         yield
     finally:
         kv_compaction.compact_head = real
+        kv_compaction._LayerFit._fit = real_fit
 
 
 def run(model, tok, args, ids: list[int], selection: str, checkpoint, spans) -> dict:

@@ -74,6 +74,9 @@ class HeadInputs:
     # am-highest ranks the keys by head_queries' attention, not the reference queries'
     # (`highest_context_attention`; `engine.kv_compaction.KEY_QUERIES`).
     context_keys: bool = False
+    # kvzip: every reference query of the group pooled [N, D], of which `queries` is the fits'
+    # sample: a key's score is its largest attention from any of them (`repeat_max_scores`).
+    every_query: Tensor | None = None
     _targets: tuple[Tensor, Tensor, Tensor] | None = None
     _summary: tuple[Tensor, Tensor, Tensor] | None = None
 
@@ -149,6 +152,34 @@ def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = HIGHEST_AGGRE
     if aggregate == "mean":  # mean_i e_ij / m_i, likewise
         return (e.T @ m.reciprocal()).div_(e.shape[0])
     return (e / m[:, None]).max(dim=0).values  # [n, T] the softmax, then its column maxima
+
+
+REPEAT_MAX_ROWS = 2048  # queries per block of `repeat_max_scores` ([rows, T] scores)
+
+
+def repeat_max_scores(h: HeadInputs) -> Tensor:
+    """[T] KVzip's score: each region key's largest attention from any repeat query, every
+    one of them (h.every_query; else the sample h.queries), each query's softmax over the
+    region and the exact tail after it (h.tail_keys, where given), as it attends at decode.
+    A repeated token's query reads the original it copies most where the model cannot
+    predict it, so the score is high on what only the cache knows (a fact's code word) and
+    low on what the model would write anyway. The maximum needs every query: the one that
+    copies a token is one of thousands, and the fits' sample (2,048 of ~25K at 8K tokens)
+    holds it a twelfth of the time (bench.online_compaction, first context: 0.70 of the facts
+    with every query, docs/compaction.md)."""
+    queries = h.queries if h.every_query is None else h.every_query  # [N, D]
+    keys = h.keys.float()  # [T, D]
+    bias = torch.zeros(len(keys)) if h.bias is None else h.bias.float()
+    if h.tail_keys is not None:
+        tail = torch.zeros(len(h.tail_keys)) if h.tail_bias is None else h.tail_bias.float()
+        keys, bias = torch.cat([keys, h.tail_keys.float()]), torch.cat([bias, tail])
+    region = h.keys.shape[0]
+    best = torch.zeros(region)
+    for a in range(0, queries.shape[0], REPEAT_MAX_ROWS):
+        s = torch.addmm(bias, queries[a : a + REPEAT_MAX_ROWS].float(), keys.T, alpha=h.scale)
+        p = torch.softmax(s, dim=1)[:, :region]  # [rows, T]
+        torch.maximum(best, p.amax(dim=0), out=best)
+    return best
 
 
 def _weighted_square_sums(e: Tensor, w: Tensor, rows: int = 256) -> Tensor:
@@ -367,7 +398,7 @@ def select_keys(
     if method == "expected_attention":
         return baselines.expected_attention(h, t)
     if method == "kvzip":
-        return highest_attention(h, t, "max")  # KVzip-style: repeat queries, max attention
+        return repeat_max_scores(h).topk(t).indices.sort().values
     if method == "random":
         return baselines.random_keys(total, t, generator or torch.Generator().manual_seed(0))
     raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")

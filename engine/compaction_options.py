@@ -40,7 +40,7 @@ DEFAULT_QUERY_SOURCE = {
 }
 # ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
 # banded pass (on a GPU the band would be a mask over the full attention, no faster).
-BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o")
+BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o", "kvzip")
 
 
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are

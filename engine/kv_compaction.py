@@ -355,7 +355,8 @@ class _LayerFit:
         if self.rope is not None:
             future = baselines.future_query_statistics(q, *self.rope)  # [H, D], [H, D, D]
         for g in range(cfg.num_kv_heads):
-            pooled = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
+            every = q[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)
+            pooled = every
             if pooled.shape[0] > self.max_queries:
                 pick = torch.randperm(pooled.shape[0], generator=self.generator)
                 pooled = pooled[pick[: self.max_queries].sort().values]
@@ -366,6 +367,9 @@ class _LayerFit:
                 scale=cfg.scale,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
+            if self.method == "kvzip":  # its max reads every query, over the whole row
+                h.every_query = every
+                self._add_tail(h, keys[g], bias, g)
             if self.method in CONTEXT_SCORED:
                 self._add_context(h, q[g * group : (g + 1) * group], keys[g], bias, g)
             elif ranking is not None:
@@ -429,10 +433,15 @@ class _LayerFit:
             query_positions = torch.arange(group_queries.shape[1])
         h.query_positions = query_positions
         h.key_positions = positions[: self.region]
-        h.tail_keys = keys[self.region :].float().cpu()
-        tail = length - self.region
-        h.tail_bias = torch.zeros(tail) if bias is None else bias[g, self.region :].float().cpu()
+        self._add_tail(h, keys, bias, g)
         h.tail_positions = positions[self.region :]
+
+    def _add_tail(self, h: HeadInputs, keys: Tensor, bias: Tensor | None, g: int) -> None:
+        """The row's slots after the region, which every query attends to as well: their
+        keys [R, D] (of this KV head's `keys` [T, D]) and bias [R]."""
+        h.tail_keys = keys[self.region :].float().cpu()
+        tail = keys.shape[0] - self.region
+        h.tail_bias = torch.zeros(tail) if bias is None else bias[g, self.region :].float().cpu()
 
 
 def _padded(r: HeadResult, slots: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -366,7 +366,8 @@ def test_the_ceiling_bench_knows_which_token_each_slot_holds(tiny_llama_dir):
     """bench/compaction_ceiling.py tracks the token each slot of each head holds through
     appends and compactions (a layer-0 key depends on its token and position only: each slot's
     is the full cache's at its token), its oracle still holds every fact's answer after all the
-    compactions (they fit its share), and the surprisal of the first chunk is its tokens' NLL."""
+    compactions (they fit its share), the surprisal of the first chunk is its tokens' NLL, and
+    its kvzip keeps what the engine's does."""
     import argparse
 
     import tiny_models
@@ -395,3 +396,11 @@ def test_the_ceiling_bench_knows_which_token_each_slot_holds(tiny_llama_dir):
     logits = model.logits(model(torch.tensor([ids[:32]]))[0]).float()
     nll = torch.nn.functional.cross_entropy(logits[:31], torch.tensor(ids[1:32]), reduction="none")
     torch.testing.assert_close(surprisal[1:32], nll)
+
+    # Its kvzip (every repeat query, kept through its instrumented fit) is the engine's.
+    harness = ceiling.run(model, tok, args, ids, "kvzip", None, spans)["cache"]
+    engine = feed(model, tok, ids, args, "kvzip")["cache"]
+    length = engine.lengths[0]
+    assert harness.lengths == [length] and run["compactions"] >= 3
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(harness.read(0, layer)[0], engine.read(0, layer)[0])

@@ -487,6 +487,43 @@ def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
         compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-h2o", key_queries="reference")
 
 
+@pytest.mark.parametrize("max_queries", [2048, 24])
+def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_queries):
+    """kvzip on a model row: each KV head keeps the t region keys with the largest attention
+    from any one of its group's repeat queries (banded on a CPU), each query's softmax over
+    the whole row (region and exact tail), with their own values and no bias; every query
+    counts, not the fits' sample of max_queries."""
+    from engine.compaction_queries import reference_queries
+    from engine.kv_compaction import compact_row
+
+    model, tok = tiny
+    cfg = model.config
+    group = cfg.num_heads // cfg.num_kv_heads
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+    full = _prefilled(model, ids)
+    region, t = 92, 20
+    repeat = list(reference_queries(model, tok, full.extract_row(0), 0, ids, "repeat-banded"))
+    assert repeat[0].shape[1] * group > 4 * max_queries or max_queries > 1024
+    cache = full.extract_row(0)
+    report = compact_row(
+        model, tok, cache, 0, ids, t, "kvzip", keep_recent=8, max_queries=max_queries
+    )
+    assert report.query_source == "repeat-banded" and cache.lengths == [t + 8]
+    for layer in range(cfg.num_layers):
+        keys, values, _ = full.read(0, layer)  # [Hkv, T, D]
+        kept_k, kept_v, bias = cache.read(0, layer)
+        for g in range(cfg.num_kv_heads):
+            q = repeat[layer][g * group : (g + 1) * group].reshape(-1, cfg.head_dim)  # [N, D]
+            p = torch.softmax(q @ keys[g].float().T * cfg.head_dim**-0.5, dim=-1)  # [N, 100]
+            score = p.max(dim=0).values[:region]
+            match = (kept_k[g, :t, None, :] == keys[g, None, :region, :]).all(-1)  # [t, region]
+            assert bool((match.sum(-1) == 1).all())
+            chosen = match.float().argmax(-1)
+            assert torch.equal(kept_v[g, :t], values[g, chosen])
+            assert float(score[chosen].min()) >= float(score.topk(t + 1).values[-1]) - 1e-6
+        assert bias is None or bool(bias[:, :t].eq(0).all())
+
+
 def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
     """OMP's refits (a Cholesky factor grown with the columns, the active-set NNLS where the
     least-squares weights are not all positive) give SciPy's NNLS optimum on each prefix of
