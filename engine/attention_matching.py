@@ -165,8 +165,8 @@ def repeat_max_scores(h: HeadInputs) -> Tensor:
     predict it, so the score is high on what only the cache knows (a fact's code word) and
     low on what the model would write anyway. The maximum needs every query: the one that
     copies a token is one of thousands, and the fits' sample (2,048 of ~25K at 8K tokens)
-    holds it a twelfth of the time (bench.online_compaction, first context: 0.70 of the facts
-    with every query, docs/compaction.md)."""
+    holds each query a twelfth of the time (bench.online_compaction: 0.72 of the facts with
+    every query, median of 3 contexts, docs/compaction.md)."""
     queries = h.queries if h.every_query is None else h.every_query  # [N, D]
     keys = h.keys.float()  # [T, D]
     bias = torch.zeros(len(keys)) if h.bias is None else h.bias.float()
