@@ -39,7 +39,8 @@ DEFAULT_QUERY_SOURCE = {
     m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
 }
 # ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
-# banded pass (on a GPU the band would be a mask over the full attention, no faster).
+# banded pass (on a GPU the band would be a mask over the full attention, no faster); and the
+# methods for sessions compacted again and again, measured online with it (am-h2o, kvzip).
 BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o", "kvzip")
 
 

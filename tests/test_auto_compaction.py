@@ -398,9 +398,8 @@ def test_the_ceiling_bench_knows_which_token_each_slot_holds(tiny_llama_dir):
     torch.testing.assert_close(surprisal[1:32], nll)
 
     # Its kvzip (every repeat query, kept through its instrumented fit) is the engine's.
-    harness = ceiling.run(model, tok, args, ids, "kvzip", None, spans)["cache"]
-    engine = feed(model, tok, ids, args, "kvzip")["cache"]
-    length = engine.lengths[0]
-    assert harness.lengths == [length] and run["compactions"] >= 3
+    by_harness = ceiling.run(model, tok, args, ids, "kvzip", None, spans)
+    harness, engine = by_harness["cache"], feed(model, tok, ids, args, "kvzip")["cache"]
+    assert harness.lengths == engine.lengths and by_harness["compactions"] >= 3
     for layer in range(model.config.num_layers):
         torch.testing.assert_close(harness.read(0, layer)[0], engine.read(0, layer)[0])
