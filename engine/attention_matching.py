@@ -168,11 +168,7 @@ def repeat_max_scores(h: HeadInputs) -> Tensor:
     holds each query a twelfth of the time (bench.online_compaction: 0.72 of the facts with
     every query, median of 3 contexts, docs/compaction.md)."""
     queries = h.queries if h.every_query is None else h.every_query  # [N, D]
-    keys = h.keys.float()  # [T, D]
-    bias = torch.zeros(len(keys)) if h.bias is None else h.bias.float()
-    if h.tail_keys is not None:
-        tail = torch.zeros(len(h.tail_keys)) if h.tail_bias is None else h.tail_bias.float()
-        keys, bias = torch.cat([keys, h.tail_keys.float()]), torch.cat([bias, tail])
+    keys, bias = baselines.row_keys(h)  # [T + R, D], [T + R]
     region = h.keys.shape[0]
     best = torch.zeros(region)
     for a in range(0, queries.shape[0], REPEAT_MAX_ROWS):

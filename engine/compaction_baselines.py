@@ -76,6 +76,18 @@ def _top(score: Tensor, t: int, forced: Tensor) -> Tensor:
     return score.topk(t).indices.sort().values
 
 
+def row_keys(h: BaselineInputs) -> tuple[Tensor, Tensor]:
+    """Every key a query of the row attends to, fp32 [T + R, D], and its bias [T + R]: the
+    region's, then the exact tail's after it (h.tail_keys, where given)."""
+    keys = h.keys.float()
+    bias = torch.zeros(keys.shape[0]) if h.bias is None else h.bias.float()
+    if h.tail_keys is not None and h.tail_keys.shape[0]:
+        assert h.tail_bias is not None  # set with tail_keys
+        keys = torch.cat([keys, h.tail_keys.float()])
+        bias = torch.cat([bias, h.tail_bias.float()])
+    return keys, bias
+
+
 def causal_probabilities(h: BaselineInputs, rows: slice | None = None) -> Iterator[Tensor]:
     """Attention of the context's own queries (h.head_queries [G, n, D], rows `rows` of them)
     as it was at prefill: each query's softmax over the row's keys at or before its position
@@ -95,16 +107,12 @@ def causal_probabilities(h: BaselineInputs, rows: slice | None = None) -> Iterat
         q_all, q_pos = q_all[:, rows], q_pos[rows]
     order = q_pos.argsort(stable=True)
     q_all, q_pos = q_all[:, order], q_pos[order]
-    keys, pos, bias = h.keys.float(), h.key_positions, h.bias
-    region = keys.shape[0]
-    if bias is None:
-        bias = torch.zeros(region)
+    region, pos = h.keys.shape[0], h.key_positions
+    keys, bias = row_keys(h)
     if h.tail_keys is not None and h.tail_keys.shape[0]:
-        assert h.tail_positions is not None and h.tail_bias is not None
-        keys = torch.cat([keys, h.tail_keys.float()])
+        assert h.tail_positions is not None
         pos = torch.cat([pos, h.tail_positions])
-        bias = torch.cat([bias.float(), h.tail_bias.float()])
-    bias, keys_t = bias.float(), keys.T  # [K], [D, K]
+    keys_t = keys.T  # [D, K]
     heads = q_all.shape[0]
     size = heads * min(QUERY_CHUNK, q_all.shape[1]) * keys.shape[0]
     scores, probabilities = torch.empty(size), torch.empty(size)
@@ -194,12 +202,7 @@ def expected_attention(h: BaselineInputs, t: int, sinks: int = SINKS) -> Tensor:
     assert h.future is not None  # checked by select_keys
     mean, cov = h.future
     total = h.keys.shape[0]
-    keys = h.keys.float()
-    bias = torch.zeros(total) if h.bias is None else h.bias.float()
-    if h.tail_keys is not None and h.tail_keys.shape[0]:
-        assert h.tail_bias is not None  # set with tail_keys
-        keys = torch.cat([keys, h.tail_keys.float()])
-        bias = torch.cat([bias, h.tail_bias.float()])
+    keys, bias = row_keys(h)
     quadratic = torch.einsum("kd,gde,ke->gk", keys, cov, keys)  # [G, T + R]
     s = mean @ keys.T * h.scale + quadratic * h.scale**2 / 2 + bias
     expected = torch.softmax(s, dim=-1)[:, :total].mean(dim=0)  # [T]
