@@ -9,12 +9,16 @@ every path is checked to lie inside the store's root before it is touched):
                                         immutable segments: slots [start, end) of every layer's
                                         keys and values (and biases, once compacted)
 
-A write (`write_version`) adds new segment files (each written to a temporary name, fsynced and
-renamed), then writes meta.json the same way, then fsyncs the folder; only after that are the
-segments the new version no longer names removed. The rename of meta.json is the commit point:
-a crash before it leaves the old version whole (the new segment files are orphans), a crash
-after it the new one. Appending to a session (a completion with `append`) writes only the new
-slots as one more segment; a compaction, which changes every slot, writes one segment for all.
+A write adds new segment files (each written to a temporary name, fsynced and renamed:
+`stage`), then writes meta.json the same way and fsyncs the folder (`commit`); only after that
+are the segments the new version no longer names removed (`finish`). The rename of meta.json is
+the commit point: a crash before it leaves the old version whole (the new segment files are
+orphans), a crash after it the new one. Until `finish`, a write can be taken back whole
+(`abandon`: a full disk, or a shared tier that refused the new version after the local commit):
+the replaced meta.json is kept as a hard link and renamed back, which needs no free space, and
+the new files are removed. `write_version` does the three steps. Appending to a session (a
+completion with `append`) writes only the new slots as one more segment; a compaction, which
+changes every slot, writes one segment for all.
 Start-up (`recover`) finishes what a crash interrupted: it removes temporary files and orphaned
 segments, and a folder that never got its first meta.json (a create that was never answered).
 
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from engine.kv_quant import QuantizedSegment
 from engine.segment_tensors import (
@@ -144,18 +148,38 @@ def _write_segment(
 ) -> Segment:
     """Slots [start, end) of row 0 of `cache` into one safetensors file (`segment_tensors`)."""
     tensors = {name: t.cpu() for name, t in segment_tensors(cache, start, end, codes).items()}
+    # Serialized in memory and written by Python's file API, not safetensors' `save_file`:
+    # a full disk is then an OSError with its errno (ENOSPC, EFBIG, EDQUOT), which the server
+    # answers 507, not safetensors' own exception type.
+    data = save(tensors, metadata={"start": str(start), "end": str(end)})
+    del tensors
     tmp = _tmp_name(path)
     try:
-        save_file(tensors, str(tmp), metadata={"start": str(start), "end": str(end)})
-        _fsync_file(tmp)
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return Segment(path.name, start, end, path.stat().st_size)
+    return Segment(path.name, start, end, len(data))
 
 
 # ---- versions ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PendingVersion:
+    """A version on its way to disk: its new files are written (`stage`), its meta.json maybe
+    too (`commit`); until `finish`, `abandon` takes it all back."""
+
+    folder: Path
+    version: Version
+    new_files: list[str]  # segment files this write added (written, or linked from a fork's)
+    new_folder: bool  # the folder did not exist before this write
+    previous: Path | None = None  # once committed: a hard link to the meta.json it replaced
+    committed: bool = False
+
+
 def write_version(
     folder: Path,
     version: Version,
@@ -164,24 +188,62 @@ def write_version(
     codes: QuantizedSegment | None = None,
     link_from: Path | None = None,
 ) -> Version:
-    """Commit `version` (its tokens and metadata; `segments` and `generation` are filled in
-    here) with the cache's slots: the first `keep_slots` are already on disk in `version`'s
-    current segments and unchanged, the rest are written as a new segment (the cache's first
-    slots as `codes`' int8, in a segment of their own, where the session holds codes).
-    With `link_from`, the first commit of a fork: `version`'s segments are another session's
-    files in that folder, hard-linked into this one (segments are immutable, so the two share
-    their bytes); if one cannot be linked (gone meanwhile, or a filesystem without links),
-    every slot is written from the cache instead. Returns the committed version. The caller
-    holds the session's lock."""
+    """`stage`, `commit` and `finish` a version (see `stage`); a write that fails leaves the
+    folder as it was. Returns the committed version."""
+    pending = stage(folder, version, cache, keep_slots, codes, link_from)
+    try:
+        commit(pending)
+    except BaseException:
+        abandon(pending)
+        raise
+    return finish(pending)
+
+
+def stage(
+    folder: Path,
+    version: Version,
+    cache: KVCache | None,
+    keep_slots: int,
+    codes: QuantizedSegment | None = None,
+    link_from: Path | None = None,
+) -> PendingVersion:
+    """Write the files of `version` (its tokens and metadata; `segments` and `generation` are
+    filled in here) with the cache's slots: the first `keep_slots` are already on disk in
+    `version`'s current segments and unchanged, the rest are written as a new segment (the
+    cache's first slots as `codes`' int8, in a segment of their own, where the session holds
+    codes). With `link_from`, the first commit of a fork: `version`'s segments are another
+    session's files in that folder, hard-linked into this one (segments are immutable, so the
+    two share their bytes); if one cannot be linked (gone meanwhile, or a filesystem without
+    links), every slot is written from the cache instead. Nothing is committed yet: a failure
+    here removes what it wrote. The caller holds the session's lock."""
     new_folder = not folder.exists()
     if new_folder:
         folder.mkdir()
         fsync_dir(folder.parent)
+    pending = PendingVersion(folder, version, [], new_folder)
+    try:
+        pending.version = _write_files(pending, cache, keep_slots, codes, link_from)
+    except BaseException:
+        abandon(pending)
+        raise
+    return pending
+
+
+def _write_files(
+    pending: PendingVersion,
+    cache: KVCache | None,
+    keep_slots: int,
+    codes: QuantizedSegment | None,
+    link_from: Path | None,
+) -> Version:
+    """`stage`'s files; the version they make (each new file named in `pending` as soon as it
+    exists, so that `abandon` finds it)."""
+    folder, version = pending.folder, pending.version
     if (
         link_from is not None
         and keep_slots > 0
         and len(version.segments) < MAX_SEGMENTS  # else merged into one new file below
-        and not _linked(link_from, folder, version.segments)
+        and not _linked(link_from, folder, version.segments, pending.new_files)
     ):
         keep_slots = 0
     generation = version.generation + 1
@@ -194,7 +256,9 @@ def write_version(
             segments, keep_slots = [], 0
 
         def path() -> Path:  # unique: a segment is never replaced by other bytes under its name
-            return folder / f"kv-{generation}-{uuid.uuid4().hex[:12]}.safetensors"
+            name = f"kv-{generation}-{uuid.uuid4().hex[:12]}.safetensors"
+            pending.new_files.append(name)  # before it exists: a failed write's is removed
+            return folder / name
 
         if codes is not None and keep_slots < codes.slots:
             segments = [_write_segment(cache, 0, codes.slots, path(), codes)]
@@ -203,7 +267,7 @@ def write_version(
             segments.append(_write_segment(cache, keep_slots, length, path()))
     else:
         segments = []
-    committed = Version(
+    return Version(
         id=version.id,
         model=version.model,
         tokens=list(version.tokens),
@@ -218,16 +282,57 @@ def write_version(
         auto_compact=version.auto_compact,
         response=version.response,
     )
-    _write_json(committed.to_json(), folder / META)
-    fsync_dir(folder)
-    _remove_unreferenced(folder, committed)
-    return committed
 
 
-def _linked(source: Path, folder: Path, segments: list[Segment]) -> bool:
-    """Hard-link the segment files from `source` into `folder` (False if one cannot be)."""
+def commit(pending: PendingVersion) -> None:
+    """Write the staged version's meta.json (the commit point), keeping the one it replaces
+    as a hard link under a temporary name until `finish` or `abandon`."""
+    meta = pending.folder / META
+    if meta.exists():
+        previous = _tmp_name(meta)
+        os.link(meta, previous)
+        pending.previous = previous
+    _write_json(pending.version.to_json(), meta)
+    pending.committed = True
+    fsync_dir(pending.folder)
+
+
+def finish(pending: PendingVersion) -> Version:
+    """The staged and committed version is final: the files it does not name go (the
+    replaced meta.json among them). Returns it."""
+    _remove_unreferenced(pending.folder, pending.version)
+    return pending.version
+
+
+def abandon(pending: PendingVersion) -> None:
+    """Take a write back: the replaced meta.json renamed back (if it was committed), the new
+    files removed; a folder this write made is removed whole. Best effort (the failure being
+    handled is the one to report): what it cannot remove, start-up's `recover` does."""
+    folder = pending.folder
+    try:
+        if pending.new_folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        if pending.committed:
+            if pending.previous is not None:
+                os.replace(pending.previous, folder / META)
+            else:  # nothing was committed before: the folder holds no version again
+                (folder / META).unlink(missing_ok=True)
+            fsync_dir(folder)
+        elif pending.previous is not None:
+            pending.previous.unlink(missing_ok=True)
+        for name in pending.new_files:
+            (folder / name).unlink(missing_ok=True)
+    except OSError as e:
+        log.error("could not take back a failed write of %s: %s", folder, e)
+
+
+def _linked(source: Path, folder: Path, segments: list[Segment], made: list[str]) -> bool:
+    """Hard-link the segment files from `source` into `folder`, naming each in `made` (False
+    if one cannot be)."""
     try:
         for seg in segments:
+            made.append(seg.file)
             os.link(source / seg.file, folder / seg.file)
     except OSError as e:
         log.info("could not link the segments of %s into %s (%s): writing them", source, folder, e)

@@ -195,7 +195,11 @@ class SessionMirror:
         sizes = {digests[s.file]: s.bytes for s in version.segments}
         files = {digests[s.file]: folder / s.file for s in version.segments}
         ours = _reference(sid, version.generation, version.commit)
-        self._upload(ours, sizes, files)
+        try:
+            self._upload(ours, sizes, files)
+        except MirrorError:
+            self._forget_blobs(ours, sizes)  # never committed (best effort: the tier may be down)
+            raise
         status, other, other_blobs = self._call(
             self._commit,
             keys=[self._key(sid, p) for p in ("lease", "gen", "meta", "gone", "blobs")],

@@ -2,7 +2,8 @@
 document, kept between requests) in memory and on disk.
 
 Every change a client is told about is on disk first (`SessionStore.persist`, in the versioned
-format of `engine.session_files`: a crash at any moment leaves the last complete version).
+format of `engine.session_files`: a crash at any moment leaves the last complete version), and
+a change that cannot be written is not made: the session is its committed version again.
 Memory is bounded: past `max_bytes` of caches in memory, the least recently used idle sessions
 are dropped from memory (they are on disk already); any access loads them back. Disk is bounded
 too: at most `max_sessions` sessions and `max_disk_bytes` of files; a request that would go past
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine import session_files
+from engine import heap, session_files
 from engine.packed_cache import PackedCache
 from engine.session import (
     Session,
@@ -39,7 +40,7 @@ from engine.session import (
     take_version,
 )
 from engine.session_files import CorruptSession, Version
-from engine.session_mirror import SessionMirror, stamp
+from engine.session_mirror import MirrorError, SessionMirror, stamp
 from models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class SessionStore:
         # sessions naming it]; and the identities each session's version names.
         self._files: dict[tuple[int, int, int, int], list[int]] = {}
         self._charged: dict[str, list[tuple[int, int, int, int]]] = {}
+        # Writes that failed and changed nothing (`persist`), by where: "disk" or "tier".
+        self.write_failures = {"disk": 0, "tier": 0}
         self._discover()
 
     # ---- paths -----------------------------------------------------------------------------
@@ -338,7 +341,7 @@ class SessionStore:
                 self.persist(victim, publish=False)  # no lease here: never written through
                 victim.cache = victim.packed = None
                 log.info("spilled session %s to disk", victim.id)
-            except OSError as e:
+            except OSError as e:  # a change never answered: reverted, its cache dropped too
                 log.warning("could not spill session %s: %s", victim.id, e)
             finally:
                 victim.lock.release()
@@ -358,10 +361,36 @@ class SessionStore:
 
     def persist(self, session: Session, publish: bool = True) -> None:
         """Commit the session's current state to disk, if it changed (hold its lock), and with
-        a shared tier write it through (`publish`; hold the lease too). A change that the tier
-        refuses stays on this disk only, and the shared copy replaces it at the next use."""
+        a shared tier write it through (`publish`; hold the lease too). All or nothing: a write
+        that fails (a full disk, the tier down or refusing) leaves the disk and the tier as they
+        were, and the session as its committed version again (`revert`: what the failed request
+        changed in memory is dropped, the cache read back from disk when next used), then
+        raises. (A tier whose reply is lost after its commit has the new version: the shared
+        copy, the truth, replaces ours at the next use.)"""
         with session.io_lock:
-            self._persist(session, publish)
+            try:
+                self._persist(session, publish)
+            except BaseException as e:
+                self._count_failure(e)
+                self.revert(session)
+                raise
+
+    def revert(self, session: Session) -> None:
+        """Drop what a failed request changed: the session is its committed version again,
+        its cache read back from disk when next used (hold its lock). One never committed (a
+        create, a fork) is left as it is: its request discards it."""
+        if session.version is None or session.deleted:
+            return
+        freed = session.nbytes()
+        take_version(session, session.version)
+        session.base = None
+        heap.freed(freed)
+
+    def _count_failure(self, e: BaseException) -> None:
+        where = "tier" if isinstance(e, MirrorError) else "disk" if isinstance(e, OSError) else None
+        if where is not None:
+            with self._lock:
+                self.write_failures[where] += 1
 
     def _persist(self, session: Session, publish: bool) -> None:
         if not session.dirty or session.deleted:
@@ -384,21 +413,28 @@ class SessionStore:
             auto_compact=None if session.auto_compact is None else session.auto_compact.to_json(),
             response=session.response,
         )
-        committed = session_files.write_version(
-            self.folder(session.id),
+        folder = self.folder(session.id)
+        pending = session_files.stage(
+            folder,
             draft,
             session.cache,
             session.disk_slots,
             session.codes,
             link_from=None if base is None else self.folder(base.id),
         )
+        try:
+            session_files.commit(pending)
+            if self.mirror is not None and publish:  # written through before anyone is told
+                self.mirror.publish(session.id, folder, pending.version, parent=old)
+        except BaseException:
+            session_files.abandon(pending)  # the local disk as it was: the tier refused it
+            raise
+        committed = session_files.finish(pending)
         session.base = None
         self._charge(session.id, committed)
         session.version = committed
         session.disk_slots = committed.length
         session.dirty = False
-        if self.mirror is not None and publish:  # written through before anyone is told
-            self.mirror.publish(session.id, self.folder(session.id), committed, parent=old)
 
     def persist_all(self) -> None:
         for sid in self.ids():

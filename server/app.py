@@ -64,7 +64,8 @@ def create_app(
             store.memory_bytes(),
             store.disk_bytes(),
             store.max_disk_bytes or 0,
-        )
+        ),
+        lambda: dict(store.write_failures),
     )
 
     @asynccontextmanager

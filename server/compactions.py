@@ -141,42 +141,48 @@ async def _run(
     ones), commit it, and record it; the report."""
     cache = session.cache
     assert cache is not None
+    # The fit works on the session's cache in place: whatever stops the compaction (a bad
+    # option, a full disk at its commit), the session is its committed version again.
     try:
-        report = await state.compactions.run(
-            compact_row,
-            served.model,
-            served.tokenizer,
-            cache,
-            0,
-            list(session.tokens),
-            target,
-            method,
-            query_source,
-            keep_recent,
-            on_engine=served.thread.run,
-            omp_budget=state.settings.compaction_omp_budget,
-            urgent=served.thread.has_requests,
-            quantize=quantize,
-            budgets=budgets,
-            schedule=served.budget_schedule,
-            key_queries=key_queries,
-            segment_slots=_segment_slots(session),
-            longest=longest,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    body = report.to_dict() | {"auto": auto}
-    session.compactions.append(body)
-    # The reference pass grew it to ~2x the context; it now holds t + recent (a copy of what
-    # is left, off the event loop).
-    grown = cache.allocated_bytes()
-    await asyncio.to_thread(cache.trim)
-    heap.freed(grown - cache.allocated_bytes())
-    session.rewrite(cache, codes=report.codes)
-    await persist(state.sessions, session)
-    state.metrics.compaction_seconds.labels(method).observe(report.seconds["total"])
-    state.metrics.compaction_ratio.labels(method).observe(report.ratio)
-    return body
+        try:
+            report = await state.compactions.run(
+                compact_row,
+                served.model,
+                served.tokenizer,
+                cache,
+                0,
+                list(session.tokens),
+                target,
+                method,
+                query_source,
+                keep_recent,
+                on_engine=served.thread.run,
+                omp_budget=state.settings.compaction_omp_budget,
+                urgent=served.thread.has_requests,
+                quantize=quantize,
+                budgets=budgets,
+                schedule=served.budget_schedule,
+                key_queries=key_queries,
+                segment_slots=_segment_slots(session),
+                longest=longest,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        body = report.to_dict() | {"auto": auto}
+        session.compactions.append(body)
+        # The reference pass grew it to ~2x the context; it now holds t + recent (a copy of what
+        # is left, off the event loop).
+        grown = cache.allocated_bytes()
+        await asyncio.to_thread(cache.trim)
+        heap.freed(grown - cache.allocated_bytes())
+        session.rewrite(cache, codes=report.codes)
+        await persist(state.sessions, session)
+        state.metrics.compaction_seconds.labels(method).observe(report.seconds["total"])
+        state.metrics.compaction_ratio.labels(method).observe(report.ratio)
+        return body
+    except BaseException:
+        state.sessions.revert(session)
+        raise
 
 
 def after_append(state: ServerState, served: ServedModel, session: Session) -> None:

@@ -218,10 +218,13 @@ class Metrics:
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
 
-    def add_session_gauges(self, read: Callable[[], tuple[int, int, int, int]]) -> None:
+    def add_session_gauges(
+        self, read: Callable[[], tuple[int, int, int, int]], failures: Callable[[], dict[str, int]]
+    ) -> None:
         """`read()` -> (sessions, bytes of caches in memory, bytes on disk, the disk quota in
-        bytes or 0 for none), at scrape time."""
-        self.registry.register(_SessionGauges(read))
+        bytes or 0 for none), and `failures()` -> {where: writes of the store that failed (and
+        changed nothing)}, at scrape time."""
+        self.registry.register(_SessionGauges(read, failures))
 
     def add_heap_metrics(self, heap: HeapTrimmer) -> None:
         """What malloc holds in use, and what the trims gave back (glibc only: elsewhere
@@ -286,10 +289,22 @@ class _PerModel(Collector):
 
 
 class _SessionGauges(Collector):
-    def __init__(self, read: Callable[[], tuple[int, int, int, int]]):
+    def __init__(
+        self, read: Callable[[], tuple[int, int, int, int]], failures: Callable[[], dict[str, int]]
+    ):
         self.read = read
+        self.failures = failures
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        failed = CounterMetricFamily(
+            PREFIX + "session_store_write_failures",
+            "Session writes that failed and changed nothing, by where: disk (full, a quota, a "
+            "file size limit: answered 507) or tier (the shared Redis tier: 503, 409).",
+            labels=["where"],
+        )
+        for where, count in sorted(self.failures().items()):
+            failed.add_metric([where], count)
+        yield failed
         count, memory, disk, quota = self.read()
         yield GaugeMetricFamily(PREFIX + "sessions", "Sessions known to the server.", count)
         yield GaugeMetricFamily(

@@ -36,6 +36,24 @@ def tier_error(e: MirrorError) -> APIError:
     return APIError(503, str(e), param="session_id", code="session_tier_unavailable")
 
 
+def disk_error(e: OSError, sid: str, param: str = "session_id") -> APIError:
+    """The local session store could not write (a full disk, a quota, a file size limit):
+    507, and nothing was changed (`SessionStore.persist`)."""
+    return APIError(
+        507,
+        f"the session store is out of space: could not write session {sid!r} "
+        f"({e.strerror or e}); nothing was changed. Free disk space or delete sessions",
+        param=param,
+        code="session_store_full",
+    )
+
+
+def storage_error(e: OSError, sid: str, param: str = "session_id") -> APIError:
+    """The API error of a failed read or write of the session store: the shared tier's
+    (503) or the local disk's (507)."""
+    return tier_error(e) if isinstance(e, MirrorError) else disk_error(e, sid, param)
+
+
 async def find(state: ServerState, sid: str, param: str = "session_id") -> Session:
     """The session (from the shared tier if another replica has it); 404 if there is none."""
     try:
@@ -44,8 +62,8 @@ async def find(state: ServerState, sid: str, param: str = "session_id") -> Sessi
         raise session_error(e, param) from None
     try:
         session = await asyncio.to_thread(state.sessions.get, sid)
-    except MirrorError as e:
-        raise tier_error(e) from None
+    except OSError as e:  # the shared tier, or the local disk it is fetched into
+        raise storage_error(e, sid, param) from None
     except SessionError as e:  # no room here for another replica's session
         raise session_error(e, param) from None
     if session is None:
@@ -104,8 +122,8 @@ async def acquire(store: SessionStore, session: Session, wait: float) -> None:
         if leased:
             await asyncio.to_thread(store.drop_lease, session.id)
         session.lock.release()
-        if isinstance(e, MirrorError):
-            raise tier_error(e) from None
+        if isinstance(e, OSError):  # refreshing it from the shared tier
+            raise storage_error(e, session.id) from None
         raise
 
 
@@ -133,8 +151,8 @@ async def catch_up(store: SessionStore, session: Session) -> None:
         return
     try:
         current = await asyncio.to_thread(store.refresh, session, False)
-    except MirrorError as e:
-        raise tier_error(e) from None
+    except OSError as e:
+        raise storage_error(e, session.id) from None
     finally:
         session.lock.release()
     if not current:
@@ -166,20 +184,15 @@ async def unstoppable(work: Awaitable[T]) -> T:
 
 
 async def persist(store: SessionStore, session: Session) -> None:
-    """Commit the session to disk (hold its lock); 507 if the disk refuses."""
+    """Commit the session to disk (hold its lock): 507 if the disk refuses, 503 if the shared
+    tier does, 409 if another replica changed it meanwhile; on any of them the session, its
+    disk and the tier are as they were before this request (`SessionStore.persist`)."""
     try:
         await asyncio.to_thread(store.persist, session)
     except SessionConflict as e:
         raise APIError(409, str(e), param="session_id", code="session_conflict") from None
-    except MirrorError as e:  # not stored: the shared copy replaces ours at the next use
-        raise tier_error(e) from None
     except OSError as e:
-        raise APIError(
-            507,
-            f"could not store session {session.id!r}: {e.strerror or e}",
-            param="session_id",
-            code="session_store_full",
-        ) from None
+        raise storage_error(e, session.id) from None
 
 
 async def load_cache(state: ServerState, served: ServedModel, session: Session) -> None:
@@ -199,8 +212,8 @@ async def drop(store: SessionStore, session: Session) -> None:
     store.forget(session)
     try:
         await asyncio.to_thread(store.delete, session)
-    except MirrorError as e:
-        raise tier_error(e) from None
+    except OSError as e:
+        raise storage_error(e, session.id) from None
     heap.freed(freed)  # its cache goes with the last reference, just after
 
 

@@ -157,7 +157,7 @@ def test_the_schema_check_refuses_a_broken_object(what):
 def _exported() -> set[str]:
     metrics = Metrics()
     metrics.add_gauges(lambda: {"m": (0, 0, 0.0, 0)})
-    metrics.add_session_gauges(lambda: (0, 0, 0, 0))
+    metrics.add_session_gauges(lambda: (0, 0, 0, 0), lambda: {"disk": 0, "tier": 0})
     names = re.findall(r"^# TYPE (\S+)", metrics.render().decode(), flags=re.M)
     return set(names)
 
