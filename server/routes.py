@@ -61,6 +61,7 @@ def list_models(state: State) -> dict[str, Any]:
                 "created": m.created,
                 "owned_by": "cdlm-serve",
                 "max_model_len": m.max_model_len,
+                "dtype": str(m.model.dtype).removeprefix("torch."),
             }
             for m in state.models.values()
         ],

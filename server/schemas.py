@@ -185,6 +185,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "cdlm-serve"
     max_model_len: int
+    # What the model computes in and its KV caches hold ("bfloat16", "float32"): chosen by
+    # --dtype, and on a CPU by its features (`auto`).
+    dtype: str
 
 
 class ModelList(BaseModel):

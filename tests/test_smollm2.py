@@ -55,12 +55,9 @@ def test_greedy_continuations_match_transformers_generate(smollm2_dir):
 
 
 def test_fetch_is_idempotent(smollm2_dir):
-    weights = smollm2_dir / "model.safetensors"
-    before = weights.stat().st_mtime_ns
-    started = time.perf_counter()
+    before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
     assert ensure_model() == smollm2_dir
-    assert time.perf_counter() - started < 1.0
-    assert weights.stat().st_mtime_ns == before
+    assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before  # not redone
     files = {p.name for p in smollm2_dir.iterdir()}
     assert {
         "config.json",
