@@ -8,15 +8,20 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 import tiny_models
+
+if TYPE_CHECKING:
+    from server.state import ServerState
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,8 +53,6 @@ def app_in_thread(app, healthy_within: float | None = 120.0) -> Iterator[str]:
     (its state stays reachable from the test); yields the base URL once /health answers 200
     (within `healthy_within` seconds), or, with None, once it accepts connections at all (a
     server still loading answers 503). Shuts the server down on exit."""
-    import threading
-
     import uvicorn
 
     port = free_port()
@@ -58,19 +61,67 @@ def app_in_thread(app, healthy_within: float | None = 120.0) -> Iterator[str]:
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + (healthy_within or 5.0)
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(f"{base}/health", timeout=2).status_code
-                if healthy_within is None or status == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        _wait_until_serving(base, thread, healthy_within)
         yield base
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def _wait_until_serving(base: str, thread: threading.Thread, healthy_within: float | None) -> None:
+    """Return once `base`/health answers 200 (within `healthy_within` s), or anything at all
+    (None: within 5 s); else fail here, saying what it answered, rather than hand a test a
+    server that is not there (its first request would fail with a less useful error)."""
+    limit = 5.0 if healthy_within is None else healthy_within
+    deadline = time.monotonic() + limit
+    last = "nothing"
+    while time.monotonic() < deadline and thread.is_alive():
+        try:
+            health = httpx.get(f"{base}/health", timeout=2)
+        except httpx.HTTPError as e:
+            last = type(e).__name__
+        else:
+            if healthy_within is None or health.status_code == 200:
+                return
+            last = f"{health.status_code} {health.text[:300]}"
+            if _load_failed(health):  # no use waiting
+                break
+        time.sleep(0.05)
+    wanted = "answer at all" if healthy_within is None else "answer 200"
+    stopped = "" if thread.is_alive() else " (the server thread stopped)"
+    raise RuntimeError(f"{base}/health did not {wanted} within {limit} s{stopped}; last: {last}")
+
+
+def _load_failed(health: httpx.Response) -> bool:
+    """/health says the models failed to load (`{"status": "error", ...}`)."""
+    try:
+        return health.json().get("status") == "error"
+    except ValueError:  # not JSON: not our server's answer
+        return False
+
+
+@contextmanager
+def tiny_app_server(
+    model_dir: Path, sessions_dir: Path, **settings: Any
+) -> Iterator[tuple[str, ServerState]]:
+    """An in-process server of the tiny model `tiny` (fp32, CPU) keeping its sessions in
+    `sessions_dir`, with more `ServerSettings`; yields (its URL, its state): in-process, a
+    test reaches what the server holds (a session's lock, its settings)."""
+    import torch
+
+    from server.app import create_app
+    from server.state import ModelSpec, ServerSettings
+
+    config = ServerSettings(
+        [ModelSpec("tiny", str(model_dir))],
+        torch.device("cpu"),
+        torch.float32,
+        sessions_dir=sessions_dir,
+        **settings,
+    )
+    app = create_app(config)
+    with app_in_thread(app) as base:
+        yield base, app.state.server
 
 
 def tree_snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:
@@ -217,3 +268,22 @@ def running_prometheus(binary: str, config: str, folder: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def outputs_by_request(engine, seqs, abort_after: dict[str, int] | None = None):
+    """Run `seqs` together on `engine` (AR or DLM) to the end (bounded: a regression fails, it
+    does not hang); each request's outputs in order. `abort_after[id] = n`: its client goes
+    away once the engine has taken n steps."""
+    abort_after = abort_after or {}
+    steps_done = [0]
+    for seq in seqs:
+        if seq.id in abort_after:
+            seq.aborted = lambda n=abort_after[seq.id]: steps_done[0] >= n
+        engine.add(seq)
+    outs: dict[str, list] = {seq.id: [] for seq in seqs}
+    while engine.has_work() and steps_done[0] < 200:
+        for out in engine.step():
+            outs[out.request_id].append(out)
+        steps_done[0] += 1
+    assert not engine.has_work()
+    return outs

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tiny_models
+from conftest import outputs_by_request
 from engine.dlm_engine import DLMEngine, DLMParams
 from models.attention import AttentionPattern
 from models.loading import load_model
@@ -325,3 +326,39 @@ def test_drawn_positions_are_k_candidates_whatever_the_temperature(temperature):
     for k in (1, 3, 5):
         chosen = pick(conf, k, temperature, gen)
         assert int(chosen.sum()) == k and not chosen[1] and not chosen[4]
+
+
+def test_rows_finishing_in_the_same_step_each_finish_once(engine):
+    """vanilla finalizes one token a step: three requests of 4 tokens finish in the same step,
+    and each sends its 4 tokens and one finish, its last output (a retire that skipped a moved
+    row ran it again: a second "length" output)."""
+    params = DLMParams(max_tokens=4, block_size=4, decoding="vanilla", ignore_eos=True)
+    prompts = [_prompt(5, s) for s in range(3)]
+    alone = [[t for o in engine.generate(p, params) for t in o.token_ids] for p in prompts]
+    seqs = [engine.new_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    outs = outputs_by_request(engine, seqs)
+    for i, seq in enumerate(seqs):
+        got = outs[seq.id]
+        assert [o.finish_reason for o in got] == ["length"], seq.id
+        assert got[0].token_ids == alone[i] and got[0].steps == 4
+
+
+def test_aborting_rows_that_are_not_the_last_leaves_the_others_answers_whole(engine):
+    """Of four rows of one mode, the first and the last abort in the same step: each sends one
+    "abort" and runs no step after its client left, and the rows that stay (their cache rows
+    moved into the freed ones) answer as they would alone."""
+    params = DLMParams(max_tokens=8, block_size=4, decoding="cdlm", ignore_eos=True)
+    prompts = [_prompt(3 + 2 * s, s) for s in range(4)]
+    alone = [[t for o in engine.generate(p, params) for t in o.token_ids] for p in prompts]
+    seqs = [engine.new_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    outs = outputs_by_request(engine, seqs, abort_after={"r0": 2, "r3": 2})
+    for rid in ("r0", "r3"):
+        got = outs[rid]
+        assert [o.finish_reason for o in got if o.finish_reason] == ["abort"], rid
+        assert got[-1].finish_reason == "abort" and got[-1].token_ids == []
+        # Two steps ran before its client left (3 forwards: cdlm's prefill is one), none after.
+        assert got[-1].steps == 3
+    for i in (1, 2):
+        got = outs[f"r{i}"]
+        assert got[-1].finish_reason == "length"
+        assert [t for o in got for t in o.token_ids] == alone[i]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models
+from conftest import outputs_by_request
 from engine.ar_engine import AREngine
 from engine.sampling import SamplingParams, _top_p_filter, sample, tempered_softmax
 from engine.text_output import TextAssembler
@@ -316,3 +317,39 @@ def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_
     assert engine.cache.logical[0] == engine.cache.lengths[0] == len(prompt) + 5
     assert after == _run(plain, prompt, max_tokens=6, temperature=0, ignore_eos=True)[0]
     assert len(engine.prefix_cache) == 2
+
+
+def test_rows_finishing_in_the_same_step_each_finish_once(setup):
+    """Three requests with the same prompt length and max_tokens finish in the same step: each
+    sends exactly its max_tokens tokens and one finish, its last output (a retire that skipped
+    a moved row let it run a step more: a second "length" chunk and a 4th token)."""
+    _, engine, _ = setup
+    prompts = [[65, 66, 67], [70, 71, 72], [80, 81, 82]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    alone = [_run(engine, p, max_tokens=3, temperature=0.0, ignore_eos=True)[0] for p in prompts]
+    seqs = [engine.new_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    outs = outputs_by_request(engine, seqs)
+    for i, seq in enumerate(seqs):
+        got = outs[seq.id]
+        assert [o.finish_reason for o in got] == [None, None, "length"], seq.id
+        assert [t for o in got for t in o.token_ids] == alone[i]
+
+
+def test_aborting_rows_that_are_not_the_last_leaves_the_others_answers_whole(setup):
+    """Of four running rows, the first and the last abort in the same step: each sends one
+    "abort" and nothing after it, and the rows that stay (moved into the freed ones) answer
+    as they would alone."""
+    _, engine, _ = setup
+    prompts = [[65, 66], [70, 71, 72], [80, 81, 82, 83], [90]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = [_run(engine, p, max_tokens=8, temperature=0.0, ignore_eos=True)[0] for p in prompts]
+    seqs = [engine.new_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    outs = outputs_by_request(engine, seqs, abort_after={"r0": 3, "r3": 3})
+    for rid in ("r0", "r3"):
+        got = outs[rid]
+        assert [o.finish_reason for o in got] == [None, None, None, "abort"], rid
+        assert got[-1].token_ids == []
+    for i in (1, 2):
+        got = outs[f"r{i}"]
+        assert [o.finish_reason for o in got][-1] == "length"
+        assert [t for o in got for t in o.token_ids] == alone[i]

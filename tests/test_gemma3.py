@@ -43,8 +43,13 @@ def test_window_layers_see_only_their_window(pair):
     assert ours.config.local_layers == [0, 2] and ours.cache_index == [0, 0, 1]
 
 
-@pytest.mark.parametrize("chunk", [5, 11, 40])
+# 2: the smallest forward that needs more than the window (window + 1 slots); 58: one that
+# needs 65 slots, one past a multiple of 64 (the ring's step).
+@pytest.mark.parametrize("chunk", [2, 5, 11, 40, 58])
 def test_chunked_prefill_matches_one_forward_and_the_ring_stays_bounded(pair, chunk):
+    """Prefilled in chunks, then two more tokens on a ring trimmed back to the window: every
+    position's logits are transformers' over the whole sequence at once (a ring a slot short
+    loses the oldest position a chunk's first query sees)."""
     hf, ours = pair
     ids = _ids(90, 2, batch=2)
     cache = ours.new_cache(batch=2, capacity=8)
@@ -62,8 +67,9 @@ def test_chunked_prefill_matches_one_forward_and_the_ring_stays_bounded(pair, ch
         assert cache.window.ordered(1, 90)[0][0].shape[1] == WINDOW - 1
         cache.trim()
         assert cache.window.ring == WINDOW  # back to the window, positions kept
-        outs.append(ours.logits(ours(torch.tensor([[5], [6]]), cache=cache)))
-        ref_next = hf(torch.cat([ids, torch.tensor([[5], [6]])], dim=1)).logits[:, -1:]
+        more = torch.tensor([[5, 7], [6, 8]])  # two tokens: the ring grows again for them
+        outs.append(ours.logits(ours(more, cache=cache)))
+        ref_next = hf(torch.cat([ids, more], dim=1)).logits[:, -2:]
     assert (torch.cat(outs[:-1], dim=1) - ref).abs().max().item() <= 1e-4
     assert (outs[-1] - ref_next).abs().max().item() <= 1e-4
 
@@ -274,6 +280,65 @@ def test_compaction_fits_the_global_layers_and_leaves_the_windows(pair):
             assert all(torch.equal(a, b) for a, b in zip(got, kept, strict=True))
         errors[method] = ((continued(cache) - want).norm() / want.norm()).item()
     assert errors["am-omp"] < 0.6 * errors["random"]
+
+
+def _kept_slots_reference(hf, ids: list[int], kept: list[int], more: list[int]) -> torch.Tensor:
+    """transformers' logits [len(more), V] for `more` after `ids`, where the new tokens' global
+    layer sees only the positions `kept` of `ids` (and the new tokens), every other attention
+    as usual: what a row whose global layer holds only those original slots must give. The
+    prompt's own tokens attend as they did at prefill (their K/V were made then)."""
+    n, past = len(ids) + len(more), len(ids)
+    pos = torch.arange(n)
+    causal = pos[None, :] <= pos[:, None]  # [Q, K]
+    sliding = causal & (pos[None, :] > pos[:, None] - WINDOW)
+    full = causal.clone()
+    dropped = torch.ones(past, dtype=torch.bool)
+    dropped[kept] = False
+    full[past:, :past] &= ~dropped
+
+    def additive(visible: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
+
+    masks = {"full_attention": additive(full), "sliding_attention": additive(sliding)}
+    with torch.no_grad():
+        return hf(torch.tensor([ids + more]), attention_mask=masks).logits[0, past:]
+
+
+def test_a_compacted_row_continues_as_transformers_over_its_kept_positions(pair):
+    """A compaction that keeps original slots (streaming: the global layer's first and most
+    recent ones, each with its own value and no bias) leaves a row that continues as
+    transformers does over the whole sequence with the dropped positions hidden from the new
+    tokens: the kept slots at their own positions (the new tokens placed by the logical
+    length, not the slot count), the windows' rings as they were. Two new tokens: they need
+    one slot more than the ring, which the compaction trimmed back to the window."""
+    from engine import model_work
+    from engine.kv_compaction import compact_row
+
+    hf, ours = pair
+    ids = _ids(160, 5)[0].tolist()
+    cache = model_work.prefill(ours, ids)
+    layer = ours.cache_index[ours.config.global_layers[0]]  # the global layer's cache index
+    original = cache.read(0, layer)[0].clone()  # [Hkv, 160, D]
+    tok = tiny_models.byte_tokenizer()
+    compact_row(ours, tok, cache, 0, ids, 24, "streaming", "repeat", keep_recent=16)
+    assert cache.lengths == [40] and cache.logical == [160] and cache.window.ring == WINDOW
+    keys, _, bias = cache.read(0, layer)
+    assert bias is None or not bias.any()
+    match = (keys[:, :, None, :] == original[:, None, :, :]).all(-1)  # [Hkv, 40, 160]
+    assert bool((match.sum(-1) == 1).all())  # each kept slot is one original position
+    kept = match.float().argmax(-1)  # [Hkv, 40]
+    assert all(torch.equal(k, kept[0]) for k in kept)  # the same positions for every head
+    assert kept[0].unique().numel() == 40 and kept[0][0] == 0 and kept[0][-1] == 159
+    more = [5, 7]
+    with torch.no_grad():
+        got = ours.logits(ours(torch.tensor([more]), cache=cache))[0]
+        whole = hf(torch.tensor([ids + more])).logits[0, -2:]
+    # The reference's masks as transformers reads them: keeping every position is its own
+    # unmasked forward.
+    assert (_kept_slots_reference(hf, ids, list(range(160)), more) - whole).abs().max() <= 1e-4
+    want = _kept_slots_reference(hf, ids, kept[0].tolist(), more)
+    assert (want - whole).abs().max() > 1e-2  # the dropped positions mattered
+    assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_decode_steps_attend_through_the_fused_kernel_as_sdpa_does(tmp_path, monkeypatch):

@@ -47,12 +47,28 @@ def test_limit_arenas_sets_glibcs_arena_max():
     assert len(libc.calls) == 1
 
 
-def test_a_trim_calls_malloc_trim_and_counts_it():
+def test_a_trim_calls_malloc_trim_and_counts_what_it_gave_back(monkeypatch):
+    """Each trim counts the RSS it gave back, as /proc saw it before and after; a trim after
+    which RSS grew (another thread allocated meanwhile) gave back nothing, not a negative."""
     libc = FakeLibc()
     trimmer = heap.HeapTrimmer(libc=libc)
-    trimmer.trim()
+    rss = iter([100 << 20, 60 << 20, 70 << 20, 75 << 20])  # before/after, two trims
+    monkeypatch.setattr(heap, "_rss_bytes", lambda: next(rss))
+    assert trimmer.trim() == 40 << 20
     assert libc.calls == [("malloc_trim", 0)]  # 0: keep no padding at the heaps' tops
-    assert trimmer.trims == 1 and trimmer.released_bytes >= 0
+    assert trimmer.trim() == 0
+    assert trimmer.trims == 2 and trimmer.released_bytes == 40 << 20
+
+
+def test_only_a_big_free_wakes_the_trimmer():
+    """A free below `big_bytes` waits for the periodic trim (frees are reported all the time:
+    waking a trim, a few ms with an arena locked, for each would cost more than it gives)."""
+    trimmer = heap.HeapTrimmer(big_bytes=32 << 20, libc=FakeLibc())  # not started: no thread
+    trimmer.freed(0)
+    trimmer.freed((32 << 20) - 1)
+    assert not trimmer._wake.is_set()
+    trimmer.freed(32 << 20)
+    assert trimmer._wake.is_set()
 
 
 def test_in_use_counts_the_arenas_and_the_mmapped_blocks_not_the_free_chunks():

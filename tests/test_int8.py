@@ -40,6 +40,36 @@ def test_q8_0_round_trip_is_within_half_a_step_per_weight():
         quantize_q8_0(torch.randn(4, 40))
 
 
+def test_the_reference_is_the_dequantized_matmul_on_any_cpu():
+    """`q8_linear_reference`, what the int8 kernel is checked against, checked itself on every
+    machine (the kernel's tests skip without AVX512): it is the product of the dequantized
+    activations and weights (each 32-block's codes times that block's own scales) up to fp32
+    rounding, and within int8's error of the float product. The blocks' scales span 10^4:
+    a block scaled by its neighbour's is off 10x."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 24, 160  # 5 blocks a row
+    spread = torch.logspace(-2, 2, k // 32).repeat_interleave(32)  # per block, in both factors
+    x = torch.randn(6, k, generator=gen) * spread.flip(0)
+    w = torch.randn(n, k, generator=gen) * spread
+    bias = torch.randn(n, generator=gen)
+    codes, scales = quantize_q8_0(w)
+    got = q8_linear_reference(x, codes, scales, bias)
+    w_deq = dequantize_q8_0(codes, scales, torch.float64)
+    # The activations as the kernel quantizes them, one 32-block at a time: codes
+    # round(x * 127 / max|x|), scale max|x| / 127 in fp32 (not rounded to fp16 as weights are).
+    x_deq = torch.empty(x.shape, dtype=torch.float64)
+    for start in range(0, k, 32):
+        block = x[:, start : start + 32]
+        amax = block.abs().amax(-1, keepdim=True)
+        x_codes = torch.round(block * (127.0 / amax))
+        x_deq[:, start : start + 32] = x_codes.double() * (amax / 127).double()
+    want = x_deq @ w_deq.T + bias.double()
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = x.double() @ w.double().T + bias.double()
+    assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
 @pytest.fixture(scope="module")
 def built():
     skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused CPU kernels")

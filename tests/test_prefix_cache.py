@@ -18,11 +18,27 @@ from tolerances import tolerance
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def pair(tmp_path_factory):
+    """transformers' tiny Llama and ours, loaded from its checkpoint."""
     folder = tmp_path_factory.mktemp("llama")
-    tiny_models.hf_tiny("llama", folder)
+    hf = tiny_models.hf_tiny("llama", folder)
     ours, _ = load_model(folder)
-    return ours
+    return hf, ours
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return pair[1]
+
+
+def _transformers_answer(hf, prompt: list[int], answer: list[int]) -> tuple[list[int], list[float]]:
+    """What transformers' own forward says of an answer, in one pass over the prompt and the
+    answer (no cache, no chunks: none of the engine's code): the greedy token at each answer
+    position and its logprob."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + answer[:-1]])).logits[0, len(prompt) - 1 :]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.argmax(-1).tolist(), logp.max(-1).values.tolist()
 
 
 def test_block_keys_name_the_whole_prefix():
@@ -65,10 +81,13 @@ def _run_all(engine: AREngine, prompts: list[list[int]], waves: int) -> dict[str
     return got
 
 
-def test_answers_are_the_same_with_and_without_the_cache(model):
+def test_answers_are_the_same_with_and_without_the_cache(pair):
     """A shared 70-token system prompt and distinct questions, 12 requests in 3 waves on 4 rows,
     prompts prefilled in 32-token chunks, a cache that holds 6 blocks (the prompts offer ~30):
-    every answer and logprob equals the uncached engine's, and later requests hit."""
+    every answer and logprob equals the uncached engine's, and later requests hit. Both are
+    transformers' greedy answer with its logprobs (from one full forward each): the engine's
+    shared code is checked too, not only the cache against its absence."""
+    hf, model = pair
     gen = torch.Generator().manual_seed(0)
     system = torch.randint(0, 256, (70,), generator=gen).tolist()
     prompts = [
@@ -92,6 +111,13 @@ def test_answers_are_the_same_with_and_without_the_cache(model):
             <= tolerance(torch.float32, 100) * 10
         ), rid
         assert want[rid][2] == 0
+        # The same prompt and answer through transformers alone.
+        ref_tokens, ref_lps = _transformers_answer(hf, prompts[int(rid[1:])], tokens)
+        assert tokens == ref_tokens, rid
+        assert (
+            max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
+            <= tolerance(torch.float32, 100) * 10
+        ), rid
     hit = {rid: c for rid, (_, _, c) in got.items()}
     assert hit["r0"] == 0  # the first wave found nothing
     assert all(c % 16 == 0 and c <= len(prompts[int(r[1:])]) - 1 for r, c in hit.items())

@@ -469,3 +469,44 @@ def test_a_response_is_continued_and_compacted_on_other_replicas(cluster):
         for f in folder.glob("*/kv-*.safetensors")
     }
     assert _tier_bytes(redis.Redis.from_url(redis_url)) == sum(held.values())
+
+
+def test_a_response_one_replica_stored_expires_on_another(tmp_path, tiny_llama_dir):
+    """--responses-ttl-hours across replicas: replica b, asked for a response that replica a
+    stored and b never held, fetches it from the tier and finds it expired (its age is the
+    stored record's, not the fetch's): it answers 404 and removes it from the tier too (a
+    tombstone), so that a's own copy yields to that and goes as well."""
+    import redis
+    from openai import NotFoundError, OpenAI
+
+    from conftest import tiny_app_server
+
+    answer = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
+    # In-process replicas, so that the test sets their TTL once the response is stored: their
+    # sweeps (every min(TTL / 2, 60) s of the TTL they started with) never run within it.
+    ttl = {"responses_ttl": 3600.0}
+    with (
+        running_redis(tmp_path) as redis_url,
+        tiny_app_server(tiny_llama_dir, tmp_path / "a", sessions_redis=redis_url, **ttl) as a,
+        tiny_app_server(tiny_llama_dir, tmp_path / "b", sessions_redis=redis_url, **ttl) as b,
+    ):
+        (url_a, state_a), (url_b, state_b) = a, b
+        client_a, client_b = (
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) for url in (url_a, url_b)
+        )
+        tier = redis.Redis.from_url(redis_url)
+        first = client_a.responses.create(input="Remember", **answer)
+        assert tier.exists(f"cdlm:session:{first.id}:meta")
+        for state in (state_a, state_b):
+            state.settings.responses_ttl = 0.5
+        time.sleep(1.0)  # past its TTL
+        with pytest.raises(NotFoundError):
+            client_b.responses.retrieve(first.id)
+        assert not tier.exists(f"cdlm:session:{first.id}:meta")
+        assert tier.exists(f"cdlm:session:{first.id}:gone")
+        assert not (tmp_path / "b" / first.id).exists()
+        assert (tmp_path / "a" / first.id).is_dir()  # a has not been asked yet
+        with pytest.raises(NotFoundError):
+            client_a.responses.create(input="Again", previous_response_id=first.id, **answer)
+        assert not (tmp_path / "a" / first.id).exists()
+        assert state_a.sessions.get(first.id) is None

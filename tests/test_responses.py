@@ -285,6 +285,44 @@ def test_a_stored_response_expires_after_its_ttl_and_a_plain_session_stays(
         assert httpx.get(f"{url}/v1/sessions/plain").status_code == 200
 
 
+def test_an_expired_response_still_in_use_is_removed_once_free(tiny_llama_dir, tmp_path):
+    """A response that expires while a request holds it (one continuing it since before it
+    expired) is not removed under that request: a removal waits `LOCK_WAIT` for it and then
+    leaves it (on disk, in the table) for later, while every ask answers 404; once it is
+    free, the next sweep removes it."""
+    import asyncio
+
+    from openai import NotFoundError, OpenAI
+
+    from conftest import tiny_app_server
+    from server import response_retention
+
+    ttl = 3600.0  # the sweep runs every 60 s: never within this test, which calls it itself
+    with tiny_app_server(tiny_llama_dir, tmp_path, responses_ttl=ttl) as (url, state):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(input="Remember", **ANSWER)
+        session = state.sessions.get(first.id)
+        assert session is not None and (tmp_path / first.id).is_dir()
+        session.created -= 2 * ttl  # its TTL has passed
+        assert session.lock.acquire(timeout=30)  # a request is using it
+        try:
+            with pytest.raises(NotFoundError):
+                client.responses.retrieve(first.id)
+            with pytest.raises(NotFoundError):
+                client.responses.create(input="Again", previous_response_id=first.id, **ANSWER)
+            assert asyncio.run(response_retention.sweep(state)) == 0
+            # Still whole: the request holding it finishes with it.
+            assert state.sessions.get(first.id) is session and not session.deleted
+            assert (tmp_path / first.id / "meta.json").is_file()
+        finally:
+            session.lock.release()
+        assert asyncio.run(response_retention.sweep(state)) == 1
+        assert session.deleted and state.sessions.get(first.id) is None
+        assert not (tmp_path / first.id).exists()
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(first.id)
+
+
 def test_responses_survive_a_restart(tiny_llama_dir, tmp_path):
     from openai import OpenAI
 
@@ -412,7 +450,8 @@ def test_a_responses_input_items_are_listed_as_the_sdk_reads_them(client, base, 
     oldest = client.responses.input_items.list(second.id, order="asc", limit=2)
     assert [i.content[0].text for i in oldest.data] == ["Be brief.", "And mine?"]
     assert oldest.has_more and oldest.last_id == oldest.data[-1].id
-    rest = client.responses.input_items.list(second.id, order="asc", after=oldest.last_id)
+    # A page that ends exactly at the last item: nothing more.
+    rest = client.responses.input_items.list(second.id, order="asc", after=oldest.last_id, limit=2)
     assert [i.content[0].text for i in rest.data] == ["Ada.", "What is my name?"]
     assert not rest.has_more
     assert len(_meta(store, second.id)["response"]["input_items"]) == 4
@@ -424,3 +463,25 @@ def test_a_responses_input_items_are_listed_as_the_sdk_reads_them(client, base, 
         (f"{base}/v1/responses/{second.id}/input_items?order=sideways", 400),
     ):
         assert httpx.get(url).status_code == code, url
+
+
+def test_has_more_says_whether_items_follow_the_page():
+    """`items_page` (input_items' paging): a page that ends exactly at the last item has no
+    more, one that ends a single item before it has, in either order, after an item or not."""
+    from server.response_input import items_page
+
+    items = [{"id": f"msg_{i}"} for i in range(4)]
+
+    def page(limit: int, order: str = "asc", after: str | None = None) -> tuple[list[str], bool]:
+        got = items_page(items, limit, order, after)
+        return [item["id"] for item in got["data"]], got["has_more"]
+
+    assert page(4) == (["msg_0", "msg_1", "msg_2", "msg_3"], False)
+    assert page(3) == (["msg_0", "msg_1", "msg_2"], True)
+    assert page(5) == (["msg_0", "msg_1", "msg_2", "msg_3"], False)
+    assert page(2, after="msg_1") == (["msg_2", "msg_3"], False)
+    assert page(1, after="msg_1") == (["msg_2"], True)
+    assert page(2, "desc") == (["msg_3", "msg_2"], True)
+    assert page(2, "desc", after="msg_2") == (["msg_1", "msg_0"], False)
+    assert page(2, after="msg_3") == ([], False)
+    assert items_page(items, 2, "asc", "msg_3")["first_id"] is None

@@ -81,3 +81,38 @@ def test_aborted_sequences_leave_running_or_waiting():
     assert ("finish", "run") in log and ("finish", "wait") in log
     assert wait.row == -1 and wait.admitted is None  # never admitted, nothing to release
     assert ("release", "wait", -1) not in log
+
+
+def test_rows_finishing_in_the_same_step_all_leave():
+    """Two rows finish in one step, the first and the last: retiring the first moves the last
+    into its row, and the moved one must still be retired (a sweep over the live group skips
+    it: that request then ran another step and sent a second finish)."""
+    sched, log = _scheduler(max_batch=4)
+    a, b, c, d = (Seq(x) for x in "abcd")
+    for s in (a, b, c, d):
+        sched.add(s)
+    sched.schedule([])
+    a.finish_reason = d.finish_reason = "length"
+    sched.retire_finished()
+    assert sched.group("a") == [c, b] and (c.row, b.row) == (0, 1)
+    assert [e for e in log if e[0] == "finish"] == [("finish", "a"), ("finish", "d")]
+    assert [e for e in log if e[0] == "release"] == [("release", "a", 0), ("release", "d", 0)]
+
+
+def test_aborting_rows_that_are_not_the_last_keeps_the_others_rows_straight():
+    """The first and the last of four rows abort in one sweep: both leave with one output
+    each, and the rows left are 0..n-1, each sequence at its own index."""
+    sched, log = _scheduler(max_batch=4)
+    a, b, c, d = (Seq(x) for x in "abcd")
+    for s in (a, b, c, d):
+        sched.add(s)
+    sched.schedule([])
+    a.gone = d.gone = True
+    outputs: list[EngineOutput] = []
+    sched.schedule(outputs)
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        ("a", "abort"),
+        ("d", "abort"),
+    ]
+    assert sched.group("a") == [c, b] and (c.row, b.row) == (0, 1)
+    assert sorted(e[1] for e in log if e[0] == "finish") == ["a", "d"]

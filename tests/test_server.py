@@ -180,6 +180,28 @@ def test_health_is_503_while_models_load(tmp_path):
             release.set()
 
 
+def test_app_in_thread_fails_when_health_never_answers_200(tmp_path):
+    """conftest's app_in_thread hands out a URL only once /health answers 200: a server that
+    never gets there fails in the helper, with what /health said (not in the test's first
+    request, with a 503 that says nothing of why)."""
+    from server.app import create_app
+    from server.state import ModelSpec, ServerSettings
+
+    never = threading.Event()
+    settings = ServerSettings(
+        [ModelSpec("x", "x")], torch.device("cpu"), torch.float32, sessions_dir=tmp_path
+    )
+    app = create_app(settings, lambda state: never.wait(30))  # loads forever: 503
+    try:
+        with (
+            pytest.raises(RuntimeError, match=r"did not answer 200 within 0\.5 s.*loading"),
+            app_in_thread(app, healthy_within=0.5),
+        ):
+            pytest.fail("app_in_thread yielded a server whose /health never answered 200")
+    finally:
+        never.set()
+
+
 def _prefix_counters(base: str) -> tuple[float, float]:
     found = {}
     for line in httpx.get(f"{base}/metrics").text.splitlines():
