@@ -73,7 +73,7 @@ def task_scores(row: Row, limit: int, args: Any) -> tuple[dict[str, float], floa
     return scores, statistics.mean(steps)
 
 
-def _text_run(row: Row, prompt: str, args: Any) -> tuple:
+def text_run(row: Row, prompt: str, args: Any) -> tuple:
     """(latency, steps, tokens, text) of one prompt decoded alone, to `--max-tokens`
     (ignore_eos); the text scored is the answer up to its first end-of-text token."""
     engine = row.engine
@@ -90,11 +90,11 @@ def _text_run(row: Row, prompt: str, args: Any) -> tuple:
 
 
 def text_runs(rows: list[Row], prompts: list[str], args: Any) -> dict[str, list[tuple]]:
-    """Per row, `_text_run` of each prompt; rows interleaved per prompt."""
+    """Per row, `text_run` of each prompt; rows interleaved per prompt."""
     runs: dict[str, list[tuple]] = {r.name: [] for r in rows}
     for prompt in prompts:
         for row in rows:
-            runs[row.name].append(_text_run(row, prompt, args))
+            runs[row.name].append(text_run(row, prompt, args))
     return runs
 
 
@@ -117,9 +117,9 @@ def both_paths(rows: list[Row], prompts: list[str], args: Any) -> tuple[dict, di
     same: dict[str, list[tuple]] = {r.name: [] for r in rows}
     for prompt in prompts:
         for row in rows:
-            fastest[row.name].append(_text_run(row, prompt, args))
+            fastest[row.name].append(text_run(row, prompt, args))
             with kernels.cpu_kernels(False):
-                same[row.name].append(_text_run(row, prompt, args))
+                same[row.name].append(text_run(row, prompt, args))
     return fastest, {name: speed(done) for name, done in same.items()}
 
 

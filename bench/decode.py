@@ -5,13 +5,14 @@ and 128 new tokens, runs interleaved (ours, HF, ours, HF, ...) so machine noise 
 medians are reported. Also prints the memory-bandwidth ceiling: weight bytes read per token
 against the machine's measured read bandwidth.
 
-    python -m bench.decode [--dtype bfloat16] [--runs 5] [--json out.json]
+    python -m bench.decode [--dtype bfloat16] [--runs 5] [--isa avx2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--isa",
+        choices=["native", "avx2", "avx512"],
+        default="native",
+        help="the fused CPU kernels' instruction set (avx2 measures that path on any machine)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     dtype = getattr(torch, args.dtype)
     folder = resolve(args.model)
+    os.environ[kernels.ISA_ENV] = args.isa
     fused = kernels.enable_cpu_kernels()
     tok = AutoTokenizer.from_pretrained(folder)
     ours, _ = load_model(folder, dtype=dtype)
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "cpu_kernels": fused,
+        "isa": kernels.active_isa(),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "ours_runs": [round(x, 2) for x in ours_runs],
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"bandwidth ceiling: {per_token / 1e6:.0f} MB of weights per token at "
         f"{bandwidth:.1f} GB/s measured read bandwidth = {ceiling:.0f} tok/s "
         f"(ours reaches {100 * ours_tok_s / ceiling:.0f}%, transformers "
-        f"{100 * hf_tok_s / ceiling:.0f}%); fused CPU kernels: {'on' if fused else 'off'}"
+        f"{100 * hf_tok_s / ceiling:.0f}%); fused CPU kernels: "
+        f"{kernels.active_isa() if fused else 'off'}"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

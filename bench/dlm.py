@@ -3,6 +3,7 @@
     python -m bench.dlm [--limit N] [--variant NAME=DIR ...] [--json out.json]
     python -m bench.dlm --model DIR --prompts FILE.jsonl [--cdlm-model DIR] [--json out.json]
     python -m bench.dlm --per-step [--json out.json]
+    python -m bench.dlm --kernels-vs-fp32 [--isa avx2] [--text-limit 8] [--json out.json]
 
 With no model arguments it evaluates the shipped teacher (vanilla, fast_dllm) and student
 (cdlm) on our held-out suites: see bench/cdlm_suites.py. Otherwise each JSONL line is
@@ -14,6 +15,10 @@ decoder: median latency per answer, mean steps (forward passes), tokens/s, and e
 against the references where they exist. vanilla and fast_dllm run `--model` (the bidirectional
 teacher); cdlm runs `--cdlm-model` (the block-causal student), or `--model` if none is given.
 
+`--kernels-vs-fp32` runs the student (cdlm decoding) on held-out prose twice per prompt,
+interleaved: in bf16 on the fused CPU kernels (of `--isa`), and in float32 on PyTorch's ops,
+the path a CPU without the kernels takes; reported: each path's tokens/s and their ratio.
+
 `--per-step` measures what one step costs: a cached CDLM block step (B new tokens against a
 cache holding the prompt and the answer so far) vs a full-recompute step (prompt + whole answer,
 bidirectional), on a random LLaDA-format model, at answer lengths 64 and 256.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -35,7 +41,9 @@ from bench import cdlm_suites
 from models import kernels
 from models.attention import AttentionPattern
 from models.loading import load_model
+from models.sources import resolve
 from models.transformer import Transformer
+from train.data import held_out_prose
 from train.tasks import exact_match
 
 
@@ -187,6 +195,37 @@ def run_per_step(args: argparse.Namespace) -> dict:
     }
 
 
+def run_kernels_vs_fp32(args: argparse.Namespace) -> dict:
+    """The student on the fused kernels (bf16) against float32 on PyTorch's ops, interleaved
+    per prompt so that machine noise hits both alike."""
+    os.environ[kernels.ISA_ENV] = args.isa
+    if not kernels.enable_cpu_kernels():
+        raise SystemExit("no fused CPU kernels on this machine (or this --isa)")
+    folder = resolve(args.student)
+    fused = cdlm_suites.Row("fused", cdlm_suites.engine_for(folder, torch.bfloat16, 1), "cdlm")
+    eager = cdlm_suites.Row("eager", cdlm_suites.engine_for(folder, torch.float32, 1), "cdlm")
+    prompts = [p for p, _ in held_out_prose(args.text_limit or 8)]
+    cdlm_suites.text_run(fused, prompts[0], args)  # warm-up: kernels, allocator
+    runs: dict[str, list[tuple]] = {"fused": [], "eager": []}
+    for prompt in prompts:
+        runs["fused"].append(cdlm_suites.text_run(fused, prompt, args))
+        with kernels.cpu_kernels(False):
+            runs["eager"].append(cdlm_suites.text_run(eager, prompt, args))
+    speeds = {name: cdlm_suites.speed(done) for name, done in runs.items()}
+    ratio = round(speeds["fused"]["tok_s"] / speeds["eager"]["tok_s"], 2)
+    isa = kernels.active_isa()
+    print(
+        f"\ncdlm student, {len(prompts)} held-out prompts x {args.max_tokens} tokens, batch 1, "
+        f"{torch.get_num_threads()} threads, interleaved"
+    )
+    print(f"{'path':<34}{'latency':>10}{'steps':>8}{'tok/s':>8}")
+    for name, label in (("fused", f"bf16, fused kernels ({isa})"), ("eager", "float32, PyTorch")):
+        r = speeds[name]
+        print(f"{label:<34}{r['latency_s']:>8.2f} s{r['steps']:>8.1f}{r['tok_s']:>8.1f}")
+    print(f"{'fused / float32':<34}{'':>18}{ratio:>8.2f}x")
+    return {"isa": isa, **speeds, "ratio": ratio, "prompts": len(prompts)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="DLM folder for vanilla and fast_dllm (the teacher)")
@@ -198,6 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--per-step", action="store_true", help="measure one step's cost")
+    parser.add_argument(
+        "--kernels-vs-fp32",
+        action="store_true",
+        help="the student in bf16 on the fused kernels vs float32 on PyTorch, side by side",
+    )
+    parser.add_argument("--isa", choices=["native", "avx2", "avx512"], default="native")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -214,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.per_step:
         result = run_per_step(args)
+    elif args.kernels_vs_fp32:
+        result = run_kernels_vs_fp32(args)
     elif args.model or args.prompts:
         if not (args.model and args.prompts):
             parser.error("--model and --prompts go together")

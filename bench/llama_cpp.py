@@ -1,12 +1,15 @@
 """llama.cpp's `llama-server` as a benchmark peer, built here from source: the llama.cpp that the
 `llama-cpp-python` sdist vendors (PyPI is reachable where model hubs are not), compiled once
-for this CPU (`GGML_NATIVE`) into the user's cache, and our model converted to GGUF with the
-converter that ships with it (bf16, then `llama-quantize` to Q8_0).
+per instruction set into the user's cache (`native`: GGML_NATIVE, for this CPU; `avx2` or
+`avx512`: that ISA's ggml kernels only, so that the AVX2 comparison can be made on an AVX512
+machine too), and our model converted to GGUF with the converter that ships with it (bf16,
+then `llama-quantize` to Q8_0).
 
-    python -m bench.llama_cpp            # build (minutes, once) and convert; prints the paths
+    python -m bench.llama_cpp [--isa avx2]   # build (minutes, once) and convert; prints paths
 
-Everything lands under $CDLM_SERVE_HOME/llama.cpp/<version>/, each step into a temporary
-folder renamed into place when complete, so an interrupted build is simply redone.
+Everything lands under $CDLM_SERVE_HOME/llama.cpp/<version>/ (binaries in bin-<isa>/), each
+step into a temporary folder renamed into place when complete, so an interrupted build is
+simply redone.
 """
 
 from __future__ import annotations
@@ -56,9 +59,22 @@ def source() -> Path:
     return out
 
 
-def binaries() -> dict[str, Path]:
-    """llama-server and llama-quantize, built for this CPU (once: ~10 min on 2 cores)."""
-    bin_dir = home() / "bin"
+# ggml's CPU flags per instruction set: what `-DGGML_NATIVE=OFF` builds. avx2 is x86-64-v3
+# (AVX2, FMA, F16C; AVX-VNNI off: our AVX2 build does not use it either), avx512 adds
+# AVX512-BF16 and -VNNI, as our AVX512 build needs.
+ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF"),
+    "avx512": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"),
+}  # fmt: skip
+
+
+def binaries(isa: str = "native") -> dict[str, Path]:
+    """llama-server and llama-quantize, built for `isa` (once: ~10 min on 2 cores)."""
+    bin_dir = home() / ("bin" if isa == "native" else f"bin-{isa}")
     found = {t: bin_dir / t for t in TARGETS}
     if all(p.is_file() for p in found.values()):
         return found
@@ -67,7 +83,7 @@ def binaries() -> dict[str, Path]:
     try:
         _run(
             ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             *ISA_FLAGS[isa], "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
              "-DBUILD_SHARED_LIBS=OFF"]
         )  # fmt: skip
@@ -118,11 +134,13 @@ def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
     return out
 
 
-def server_command(model_file: Path, port: int, slots: int, context: int = 2048) -> list[str]:
-    """llama-server on 127.0.0.1:port (0: a "{port}" placeholder) with `slots` parallel
-    sequences (continuous batching), `context` tokens each, on every core."""
+def server_command(
+    model_file: Path, port: int, slots: int, context: int = 2048, isa: str = "native"
+) -> list[str]:
+    """llama-server (built for `isa`) on 127.0.0.1:port (0: a "{port}" placeholder) with
+    `slots` parallel sequences (continuous batching), `context` tokens each, on every core."""
     return [
-        str(binaries()["llama-server"]),
+        str(binaries(isa)["llama-server"]),
         "-m", str(model_file),
         "--host", "127.0.0.1",
         "--port", str(port) if port else "{port}",
@@ -135,5 +153,10 @@ def server_command(model_file: Path, port: int, slots: int, context: int = 2048)
 
 
 if __name__ == "__main__":
-    print(binaries())
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native")
+    args = parser.parse_args()
+    print(binaries(args.isa))
     print(gguf(kind="bf16"), gguf(kind="Q8_0"))

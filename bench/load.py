@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="equal work: every request generates max_tokens (ours and llama-server)",
     )
+    p.add_argument(
+        "--isa",
+        choices=["native", "avx2", "avx512"],
+        default="native",
+        help="the CPU instruction set both run on: ours forced to it (--cpu-isa), llama-server "
+        "built for it (bench/llama_cpp.py), so that the AVX2 comparison runs on any machine",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = p.parse_args(argv)
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "quantize": args.quantize,
+        "isa": args.isa,
     }
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -316,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
             str(args.concurrency),
             "--log-level",
             "warning",
+            "--cpu-isa",
+            args.isa,
             *(["--quantize", args.quantize] if args.quantize else []),
         ],
         url,
@@ -397,7 +407,7 @@ def _peers(args: argparse.Namespace, folder: Path) -> list[tuple[str, list[str],
 
         return [
             (f"llama-server {kind}", llama_cpp.server_command(
-                llama_cpp.gguf(args.model, kind), 0, args.concurrency), "m")
+                llama_cpp.gguf(args.model, kind), 0, args.concurrency, isa=args.isa), "m")
             for kind in args.peer_kinds
         ]  # fmt: skip
     return []
@@ -407,7 +417,7 @@ def _print(out: dict) -> None:
     ours = "ours" + (f" ({out['quantize']})" if out.get("quantize") else " (bf16)")
     print(
         f"\nload: {out['model']}, concurrency {out['concurrency']}, max_tokens "
-        f"{out['max_tokens']}, streaming, greedy, on CPU"
+        f"{out['max_tokens']}, streaming, greedy, on CPU ({out['isa']})"
     )
     print(
         f"{'':22}{'tok/s':>8}{'TTFT p50/p99 (s)':>20}{'e2e p50/p99 (s)':>20}{'errors':>8}"

@@ -1,7 +1,8 @@
 """Scaling with concurrent streams: our server's tokens/s at 1, 2, 4, 8, 16 and 32 clients.
 
     python -m bench.scaling [--concurrency 1 2 4 8 16 32] [--repeats 2] [--max-tokens 64]
-                            [--checkout DIR ...] [--quantize int8] [--json out.json]
+                            [--checkout DIR ...] [--quantize int8] [--isa avx2]
+                            [--json out.json]
 
 For each concurrency c, a fresh server (`--max-batch c`, bf16, the CPU) takes bench.load's
 clients: c streams of greedy completions, each generating exactly `--max-tokens` (ignore_eos),
@@ -50,6 +51,7 @@ def one_point(
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", f"m={resolve(args.model)}"]
     cmd += ["--port", str(port), "--dtype", "bfloat16", "--device", "cpu"]
     cmd += ["--max-batch", str(c), "--log-level", "warning"]
+    cmd += ["--cpu-isa", args.isa] if args.isa != "native" else []
     cmd += ["--quantize", args.quantize] if args.quantize else []
     log = args.logs / f"bench_scaling_{commit}_{c}.log"
     proc = start(cmd, url, log, cwd=checkout, env=_env(commit, primary))
@@ -71,6 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--quantize", choices=["int8"])
+    p.add_argument(
+        "--isa",
+        choices=["native", "avx2", "avx512"],
+        default="native",
+        help="the servers' CPU instruction set (--cpu-isa): avx2 measures that path anywhere",
+    )
     p.add_argument("--checkout", type=Path, action="append", help="whose server (repeatable)")
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, default=Path("/tmp"))

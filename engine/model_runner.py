@@ -1,6 +1,6 @@
 """Between the engines and the model: one step's tokens on rows of a batch cache, run either
-through the fused C++ step (bf16 on CPUs with AVX512-BF16: `models.kernels.DecodeStack`) or the
-PyTorch path, padded per run of rows. The choice is made here, once per call from the model
+through the fused C++ step (bf16 on CPUs with AVX2 or AVX512-BF16: `models.kernels.DecodeStack`)
+or the PyTorch path, padded per run of rows. The choice is made here, once per call from the model
 (whether its fused stack exists: built once per model, toggled only by tests and benches) and
 the call's shape (`FUSED_PREFILL_TOKENS`, `FUSED_STEP_TOKENS`); neither path is tried and
 fallen back from. `Transformer` stays the model: a forward over [B, Q] tokens and its cache.

@@ -143,10 +143,10 @@ def load_served_model(
     prefix caching on for an AR model, holding at most that many bytes of prompt KV;
     `quantize="int8"` gives it Q8_0 weights (models/quantize.py)."""
     started = time.perf_counter()
-    if device.type == "cpu" and kernels.cpu_has_bf16_dot():
+    if device.type == "cpu" and kernels.cpu_isa() is not None:
         log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
         active = kernels.enable_cpu_kernels()
-        log.info("%s: fused CPU kernels %s", name, "ready" if active else "unavailable")
+        log.info("%s: %s, %s", name, kernels.isa_choice(), "ready" if active else "failed to build")
     if quantize not in (None, "int8"):
         raise ValueError(f"unknown quantization {quantize!r} (known: int8)")
     share = cores or CoreShare.shared()
@@ -162,14 +162,15 @@ def load_served_model(
         quantize = _quantization(name, quantize, stored, ckpt.quantized, model)
         count = share.run(lambda: quantize_model(model, stored)) if quantize == "int8" else 0
     if quantize == "int8":
-        fused = device.type == "cpu" and kernels.cpu_has_bf16_dot() and dtype == torch.bfloat16
+        isa = kernels.active_isa() if device.type == "cpu" else None
+        fused = isa is not None and dtype == torch.bfloat16
         fused = fused and kernels.fused_step_takes(ckpt.config)
         log.info(
             "%s: %d matrices int8 (Q8_0; %d with the file's own codes); %s",
             name,
             count,
             len(stored),
-            "decode steps multiply them as int8 (AVX512-VNNI)"
+            f"decode steps multiply them as int8 ({'AVX512-VNNI' if isa == 'avx512' else 'AVX2'})"
             if fused
             else "dequantized for this device, dtype or family (no fused step): answers as "
             "int8, no speed gain here",

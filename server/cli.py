@@ -36,13 +36,24 @@ def pick_device(choice: str) -> torch.device:
 
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
-        # bf16 on GPUs, and on CPUs with AVX512-BF16, where our fused decode kernels make it
-        # ~3x faster than fp32; elsewhere on CPU fp32, since PyTorch's own bf16
-        # matrix-vector products are no faster than fp32 ones.
-        if device.type == "cuda" or kernels.cpu_has_bf16_dot():
+        # bf16 on GPUs, and on CPUs where our fused decode kernels run (AVX512-BF16, or AVX2:
+        # bf16 weights, fp32 arithmetic in registers), where it streams half fp32's bytes;
+        # elsewhere on CPU fp32, since PyTorch's own bf16 matrix-vector products are no faster
+        # than fp32 ones.
+        if device.type == "cuda" or kernels.cpu_isa() is not None:
             return torch.bfloat16
         return torch.float32
     return DTYPES[choice]
+
+
+def dtype_reason(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Why the models run in `dtype`, for the start-up log."""
+    name = str(dtype).removeprefix("torch.")
+    if choice != "auto":
+        return f"{name} (--dtype {choice})"
+    if device.type != "cpu":
+        return f"{name} (auto: a GPU)"
+    return f"{name} (auto: {kernels.isa_choice()})"
 
 
 def parse_model_spec(text: str) -> ModelSpec:
@@ -132,10 +143,18 @@ FLAGS = (
     Flag(
         "--dtype",
         "models",
-        "weight/activation dtype; auto = bfloat16 on GPUs and on CPUs with AVX512-BF16, else "
-        "float32",
+        "weight/activation dtype; auto = bfloat16 on GPUs and on CPUs with the fused kernels "
+        "(AVX512-BF16 or AVX2), else float32",
         "auto",
         choices=("auto", *DTYPES),
+    ),
+    Flag(
+        "--cpu-isa",
+        "models",
+        "the fused CPU kernels' instruction set: native (the best this CPU has), avx512 or avx2 "
+        "(to run or measure the AVX2 path on an AVX512 machine)",
+        "native",
+        choices=("native", "avx512", "avx2"),
     ),
     Flag(
         "--quantize",
@@ -323,10 +342,17 @@ def serve(args: argparse.Namespace) -> None:
     if args.sessions_disk_gb < 0:
         sys.exit("cdlm-serve: --sessions-disk-gb must be >= 0 (0 = no quota)")
     device = pick_device(args.device)
+    os.environ[kernels.ISA_ENV] = args.cpu_isa  # what models.kernels builds and uses
+    if device.type == "cpu" and args.cpu_isa not in ("native", kernels.cpu_isa()):
+        sys.exit(f"cdlm-serve: --cpu-isa {args.cpu_isa}: this CPU cannot run it")
+    dtype = pick_dtype(args.dtype, device)
+    logging.getLogger("cdlm-serve").info(
+        "models run in %s", dtype_reason(args.dtype, dtype, device)
+    )
     settings = ServerSettings(
         models=[parse_model_spec(s.strip()) for s in specs if s.strip()],
         device=device,
-        dtype=pick_dtype(args.dtype, device),
+        dtype=dtype,
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
         max_batch=args.max_batch,

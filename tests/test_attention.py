@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import tiny_models
-from cpu_features import skip_unless
+from cpu_features import ISAS, kernel_build
 from models.attention import AttentionPattern
 from models.loading import load_model
 from models.transformer import new_capture
@@ -459,11 +461,11 @@ def test_cached_tokens_read_again_get_the_queries_and_states_they_had_at_prefill
         next(model.forward_stages(ids[:, :2], reread=slots[:2]))
 
 
-@pytest.fixture
-def bf16_kernels() -> None:
-    from models import kernels
-
-    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused attention kernel")
+@pytest.fixture(params=ISAS)
+def bf16_kernels(request) -> Iterator[None]:
+    """The fused attention kernel of each build this CPU runs."""
+    with kernel_build(request.param):
+        yield
 
 
 def _softmax_reference(q, k, v, bias, visible) -> torch.Tensor:

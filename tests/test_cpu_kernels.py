@@ -1,12 +1,15 @@
-"""The fused CPU decode kernels against their PyTorch references (bf16, AVX512-BF16 only)."""
+"""The fused CPU decode kernels against their PyTorch references (bf16), every test on each
+build this CPU runs (AVX2 everywhere in CI, AVX512-BF16 and AMX where the CPU has them)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import tiny_models
-from cpu_features import skip_unless
+from cpu_features import ISAS, kernel_build, skip_unless
 from engine.model_runner import ModelRunner
 from models import kernels
 from models.loading import load_model
@@ -14,10 +17,22 @@ from models.loading import load_model
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused CPU kernels")
-    assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
+@pytest.fixture(scope="module", autouse=True, params=ISAS)
+def isa(request):
+    """Each test on each build."""
+    with kernel_build(request.param):
+        yield request.param
+
+
+@contextmanager
+def kernels_run():
+    """The kernels run inside, counted (a comparison where they never ran would compare the
+    reference with itself)."""
+    isa, before = kernels.active_isa(), kernels._kernel.calls()
+    yield
+    assert kernels.active_isa() == isa and kernels._kernel.calls() > before, (
+        f"the {isa} kernels did not run"
+    )
 
 
 KERNELS_ON = [False]  # inside both(): whether this call of fn runs with the kernels on
@@ -25,7 +40,7 @@ KERNELS_ON = [False]  # inside both(): whether this call of fn runs with the ker
 
 def both(fn):
     """fn() with the kernels on, then with the PyTorch references."""
-    with kernels.cpu_kernels(True):
+    with kernels.cpu_kernels(True), kernels_run():
         KERNELS_ON[0] = True
         try:
             fast = fn()
@@ -41,7 +56,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40)])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40), (33, 70)])
 def test_linear(rows, n, k):
     gen = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k, generator=gen).to(BF16)
@@ -54,9 +69,12 @@ def test_linear(rows, n, k):
     assert _rel(fast, exact) <= 1e-2
 
 
-@pytest.fixture(params=[False, True], ids=["avx512", "amx"])
-def amx(request):
-    """Each packed-linear test on AVX512 and, where this CPU and OS allow it, on AMX tiles."""
+@pytest.fixture(params=[False, True], ids=["vectors", "amx"])
+def amx(request, isa):
+    """Each packed-linear test on vector registers and, where this build, CPU and OS allow
+    it, on AMX tiles."""
+    if request.param and isa != "avx512":
+        pytest.skip("AMX tiles are the AVX512 build's")
     active = kernels.use_amx(request.param)
     if request.param:
         skip_unless("amx-bf16", active, "the AMX tile matmuls")
@@ -64,7 +82,7 @@ def amx(request):
     kernels.use_amx(True)  # the default
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (200, 576), (7, 40), (3 * 16 * 3 + 5, 128)])
 def test_packed_linear_matches_row_kernel(rows, n, k, amx):
     """The decode stack's packed weights (tiles of 16 outputs, k in pairs; N not a multiple of
@@ -84,12 +102,13 @@ def test_packed_linear_matches_row_kernel(rows, n, k, amx):
     assert _rel(unbiased, x.float() @ w.float().T) <= 1e-2
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 40])
 def test_packed_linear_takes_any_number_of_rows(rows, amx):
     """A prompt's tokens go through the packed weights too: AMX takes 16 rows per tile (17 and
-    40 are padded to whole tiles), AVX512 chunks of 8 rows within each group of weight tiles
-    (the group read from memory once for all the chunks). Each row's sums run in the same
-    order as alone, so the rows of one call equal calls of at most 8 rows bit for bit."""
+    40 are padded to whole tiles), AVX512 chunks of 8 rows (AVX2 of 3) within each group of
+    weight tiles (the group read from memory once for all the chunks). Each row's sums run in
+    the same order as alone, so the rows of one call equal calls of at most 8 rows bit for
+    bit."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).to(BF16)
     w = torch.randn(3 * 16 * 2 + 7, 576, generator=gen).to(BF16)
@@ -258,12 +277,14 @@ def test_decode_of_more_rows_than_one_kernel_pass(model):
     assert _rel(fast, ref) <= 3e-2
 
 
-@pytest.fixture(params=["rows", "packed-avx512", "packed-amx"])
-def stack_kind(request, model, monkeypatch):
+@pytest.fixture(params=["rows", "packed", "packed-amx"])
+def stack_kind(request, model, monkeypatch, isa):
     """The model's decode stack rebuilt on each matmul path: weights as they are (row kernel,
-    CDLM_SERVE_PACKED=0), packed on AVX512, packed on AMX tiles (where available)."""
+    CDLM_SERVE_PACKED=0), packed on vector registers, packed on AMX tiles (where available)."""
     monkeypatch.setenv("CDLM_SERVE_PACKED", "0" if request.param == "rows" else "1")
     amx = request.param == "packed-amx"
+    if amx and isa != "avx512":
+        pytest.skip("AMX tiles are the AVX512 build's")
     if kernels.use_amx(amx) != amx:
         skip_unless("amx-bf16", False, "the AMX tile matmuls")
     model._decode_stack = None  # rebuilt by the next step, on this path

@@ -309,7 +309,7 @@ def test_the_wide_thread_keeps_every_core_after_fused_steps_beside_another_openm
     from cpu_features import skip_unless
     from models import kernels
 
-    skip_unless("avx512-bf16", kernels.enable_cpu_kernels(), "the fused CPU kernels")
+    skip_unless("avx2", kernels.enable_cpu_kernels(), "the fused CPU kernels")
     decoy = tmp_path / "libgomp-decoy.so.1"
     shutil.copy(core_share._loaded("libgomp")[0], decoy)
     ctypes.CDLL(str(decoy))

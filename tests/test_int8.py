@@ -1,7 +1,8 @@
 """int8 weights (Q8_0, models/quantize.py) and their kernels (kernels/cpu_int8.cpp: VNNI, and
-AMX-INT8 tiles from 3 rows where the CPU has them): the format's round trip, the kernel against
-its PyTorch reference, and a quantized model's fused decode step against the PyTorch path on
-the same (dequantized) weights."""
+AMX-INT8 tiles from 3 rows where the CPU has them; kernels/avx2_int8.cpp: AVX2), each build
+this CPU runs: the format's round trip, the kernel against its PyTorch reference, and a
+quantized model's fused decode step against the PyTorch path on the same (dequantized)
+weights."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models
-from cpu_features import skip_unless
+from cpu_features import ISAS, kernel_build, skip_unless
 from engine.model_runner import ModelRunner
 from models import kernels
 from models.loading import load_model
@@ -70,17 +71,20 @@ def test_the_reference_is_the_dequantized_matmul_on_any_cpu():
     assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
-@pytest.fixture(scope="module")
-def built():
-    skip_unless("avx512-bf16", kernels.cpu_has_bf16_dot(), "the fused CPU kernels")
-    assert kernels.enable_cpu_kernels(), "the kernel failed to build on a capable CPU"
-    return kernels._kernel
+@pytest.fixture(scope="module", params=ISAS)
+def built(request):
+    """Each build this CPU runs: AVX2 (VPMADDUBSW) everywhere, AVX512 (VNNI, AMX-INT8 tiles)
+    where the CPU has it."""
+    with kernel_build(request.param):
+        yield kernels._kernel
 
 
-@pytest.fixture(params=[False, True], ids=["vnni", "amx"])
+@pytest.fixture(params=[False, True], ids=["vectors", "amx"])
 def amx(request, built):
-    """The product on VNNI only, or on AMX-INT8 tiles from 3 rows (the default where the CPU
-    has them)."""
+    """The product on vector registers only, or on AMX-INT8 tiles from 3 rows (the default
+    where the CPU has them: the AVX512 build)."""
+    if request.param and built.isa() != "avx512":
+        pytest.skip("AMX tiles are the AVX512 build's")
     kernels.use_amx(request.param)
     if request.param:
         skip_unless("amx-int8", bool(built.amx_int8()), "the AMX-INT8 tile matmuls")
@@ -92,8 +96,9 @@ def amx(request, built):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 16, 17, 33])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 576), (7, 32)])
 def test_linear_q8_computes_its_reference(built, amx, rows, n, k):
-    """Every row count (8 per VNNI pass, 16 per tile; 17 and 33 pad a last chunk of tiles), a
-    ragged last tile and an odd one out of the tile pairs, a bias: the kernel's outputs are the
+    """Every row count (8 per VNNI pass, 4 per AVX2 pass, 16 per tile; 17 and 33 pad a last
+    chunk of tiles), a ragged last tile (and half tile: n = 7, 40) and an odd one out of the
+    tile pairs, a bias: the kernel's outputs are the
     reference's (the same integer dots and scales, summed in another order) to bf16 rounding;
     and both are the bf16 product up to what int8 costs."""
     gen = torch.Generator().manual_seed(rows * n + k)
@@ -161,9 +166,10 @@ def test_an_unquantized_models_stack_stays_bf16(built, tmp_path):
     assert stack is not None and not stack.int8()
 
 
-def test_the_server_serves_int8_weights(tmp_path):
+def test_the_server_serves_int8_weights(built, tmp_path):
     """`--quantize int8`: the server's greedy answer and logprobs are those of the same model
-    quantized in process (the same kernels), not those of its bf16 weights."""
+    quantized in process (the same kernels: the server forced to this build), not those of its
+    bf16 weights."""
     import httpx
 
     from conftest import running_server
@@ -185,6 +191,7 @@ def test_the_server_serves_int8_weights(tmp_path):
         ]
 
     args = ("--device", "cpu", "--dtype", "bfloat16", "--quantize", "int8")
+    args += ("--cpu-isa", built.isa())
     with running_server("--model", f"tiny={tmp_path}", *args) as url:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0}  # fmt: skip

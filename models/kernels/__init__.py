@@ -1,11 +1,15 @@
 """The model's elementwise and matrix ops, with optional fused CPU kernels for decoding.
 
 Every op here has a PyTorch implementation (the reference, used on GPUs, in fp32, for long
-inputs, and whenever autograd records). For a few rows of bf16 activations on a CPU with
-AVX512-BF16, `cpu_decode.cpp` (compiled on first use by torch's extension loader, cached) does
-the same work without PyTorch's per-op dispatch cost, which at decode sizes exceeds the
-arithmetic: a 576-wide RMSNorm is ~30 us as 7 eager ops, ~1 us fused. `enable_cpu_kernels()`
-turns them on; tests compare every kernel with its reference.
+inputs, and whenever autograd records). For a few rows of bf16 activations on an x86 CPU, the
+fused kernels (compiled on first use by torch's extension loader, cached) do the same work
+without PyTorch's per-op dispatch cost, which at decode sizes exceeds the arithmetic: a
+576-wide RMSNorm is ~30 us as 7 eager ops, ~1 us fused. There are two builds of the same ops
+and the same fused decode step (`DecodeStack`): AVX512 (`cpu_decode.cpp`, `cpu_int8.cpp`:
+AVX512-BF16 dot products, VNNI, AMX) and AVX2 (`avx2_decode.cpp`, `avx2_int8.cpp`: x86-64-v3,
+bf16 widened to fp32 in registers), one picked at run time from the CPU's features
+(`cpu_isa`, or CDLM_SERVE_CPU_ISA). `enable_cpu_kernels()` turns them on; tests compare every
+kernel of both builds with its reference.
 """
 
 from __future__ import annotations
@@ -29,35 +33,95 @@ from models.rope import apply_rotary
 log = logging.getLogger(__name__)
 
 MAX_KERNEL_ROWS = 8
-_SOURCES = [str(Path(__file__).with_name(n)) for n in ("cpu_decode.cpp", "cpu_int8.cpp")]
+_HERE = Path(__file__).parent
+# Each instruction set's build: its sources (they share common.h, decode_stack.h, bindings.h)
+# and compiler flags. AVX512: AVX512-BF16 dot products and VNNI int8 (AMX where the compiler
+# has it); AVX2: x86-64-v3 (AVX2, FMA, F16C), bf16 widened to fp32 in registers.
+_BUILDS = {
+    "avx512": (
+        ("cpu_decode.cpp", "cpu_int8.cpp"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c"),
+    ),
+    "avx2": (("avx2_decode.cpp", "avx2_int8.cpp"), ("-mavx2", "-mfma", "-mf16c")),
+}
+# The CPU features each build needs (/proc/cpuinfo's names). Every CPU with AVX512-BF16 has
+# AVX512-VNNI too (the int8 kernels); checked all the same.
+_FEATURES = {
+    "avx512": ("avx512_bf16", "avx512bw", "avx512_vnni"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+ISA_ENV = "CDLM_SERVE_CPU_ISA"  # avx512 | avx2 | native (the default: the best this CPU has)
 _lock = threading.Lock()
 _kernel: Any = None
 
 
-def cpu_has_bf16_dot() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    # Every CPU with AVX512-BF16 has AVX512-VNNI too (the int8 kernels); checked all the same.
-    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512_vnni"))
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has(isa: str) -> bool:
+    """Whether this CPU can run the kernels built for `isa` ("avx512" or "avx2")."""
+    return set(_FEATURES[isa]) <= _cpu_flags()
+
+
+def cpu_has_bf16_dot() -> bool:
+    return cpu_has("avx512")
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the fused CPU kernels use here: the best the CPU has (AVX512-BF16,
+    else AVX2), or the one CDLM_SERVE_CPU_ISA names (forcing avx2 on an AVX512 machine tests or
+    measures that path); None where neither runs (no AVX2, or kernels turned off)."""
+    if os.environ.get("CDLM_SERVE_CPU_KERNELS", "1") == "0":
+        return None
+    asked = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if asked not in ("native", *_BUILDS):
+        raise ValueError(f"{ISA_ENV}={asked!r}: expected native, avx512 or avx2")
+    for isa in _BUILDS if asked == "native" else (asked,):
+        if cpu_has(isa):
+            return isa
+    return None
+
+
+def isa_choice() -> str:
+    """A line for the start-up log: which kernels run here, and why."""
+    asked = os.environ.get(ISA_ENV, "native")
+    isa = cpu_isa()
+    if isa is None:
+        if os.environ.get("CDLM_SERVE_CPU_KERNELS", "1") == "0":
+            return "no fused CPU kernels (CDLM_SERVE_CPU_KERNELS=0)"
+        return f"no fused CPU kernels: this CPU lacks {'/'.join(_FEATURES['avx2'])}"
+    why = f"{ISA_ENV}={asked}" if asked != "native" else "the best this CPU has"
+    return f"fused CPU kernels: {isa} ({why})"
 
 
 @cache
-def _build() -> Any:
-    return build_extension("cdlm_cpu_decode", _SOURCES)
+def _build(isa: str) -> Any:
+    return build_extension(f"cdlm_cpu_{isa}", isa=isa)
 
 
-def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()) -> Any:
-    """Compile (or load from torch's extension cache) the CPU kernels from `sources` as module
-    `name`, with AMX where the compiler has it. bench.kernel_ab builds another checkout's
-    kernels through it, under another name and with `DecodeStack` renamed (`defines`), so that
-    both load in one process."""
+def build_extension(
+    name: str,
+    sources: list[str] | None = None,
+    defines: tuple[str, ...] = (),
+    isa: str = "avx512",
+) -> Any:
+    """Compile (or load from torch's extension cache) the CPU kernels for `isa` as module
+    `name` (from `sources`, by default that build's own), with AMX where the build and the
+    compiler have it. bench.kernel_ab builds another checkout's kernels through it, under
+    another name and with `DecodeStack` renamed (`defines`), so that both load in one
+    process."""
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
-    flags += ["-mf16c", "-fopenmp", *(f"-D{d}" for d in defines)]
-    amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+    files, isa_flags = _BUILDS[isa]
+    sources = sources or [str(_HERE / f) for f in files]
+    flags = ["-O3", *isa_flags, "-fopenmp", *(f"-D{d}" for d in defines)]
+    amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if isa == "avx512" else []
     try:
         return load(
             name=name,
@@ -66,8 +130,10 @@ def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # a compiler without AMX: the same kernels minus the AMX path
-        log.warning("building the CPU kernels without AMX: %s", e)
+    except Exception as e:
+        if not amx:
+            raise
+        log.warning("building the CPU kernels without AMX: %s", e)  # a compiler without it
         return load(
             name=name + "_noamx",
             sources=sources,
@@ -78,21 +144,28 @@ def build_extension(name: str, sources: list[str], defines: tuple[str, ...] = ()
 
 
 def enable_cpu_kernels() -> bool:
-    """Build (or load from cache) the CPU kernel if this machine can use it. Safe to call
-    repeatedly and from several threads; returns whether the kernel is active."""
+    """Build (or load from cache) the CPU kernels for this machine's instruction set
+    (`cpu_isa`) if it has one. Safe to call repeatedly and from several threads; returns
+    whether the kernels are active."""
     global _kernel
-    if os.environ.get("CDLM_SERVE_CPU_KERNELS", "1") == "0" or not cpu_has_bf16_dot():
+    isa = cpu_isa()
+    if isa is None:
         return False
     with _lock:
-        if _kernel is None:
+        if _kernel is None or (_kernel and _kernel.isa() != isa):
             try:
-                _kernel = _build()
+                _kernel = _build(isa)
             except Exception as e:  # no compiler, no ninja, ...: fall back to PyTorch's ops
-                log.warning("CPU bf16 kernel unavailable, using PyTorch matmuls: %s", e)
+                log.warning("CPU %s kernels unavailable, using PyTorch's ops: %s", isa, e)
                 _kernel = False
             else:
                 use_amx(os.environ.get("CDLM_SERVE_AMX", "1") != "0")
     return bool(_kernel)
+
+
+def active_isa() -> str | None:
+    """The instruction set of the kernels in use (None: PyTorch's ops)."""
+    return _kernel.isa() if _kernel else None
 
 
 def use_amx(enabled: bool) -> bool:
@@ -228,7 +301,7 @@ class PackedKV:
 
 def packs_attention(q: Tensor, k: Tensor) -> bool:
     """Whether `pack_attention` / `attend_packed` apply to q [B, H, Q, D] over k [B, Hkv, K,
-    D]: the fused kernels on (bf16 on an AVX512-BF16 CPU), one row, head_dim 32, 64 or 128."""
+    D]: the fused kernels on (bf16 on a CPU they run on), one row, head_dim 32, 64 or 128."""
     return (
         _fast(q, None, k)
         and k.dtype == torch.bfloat16
@@ -253,7 +326,7 @@ def attend_packed(
 ) -> Tensor:
     """Query rows q [H, R, D] bf16 over `packed`'s keys in `ranges` ([a, b), disjoint, in
     order), row i also only below limits[i] (int64 [R]) where given -> [H, R, D] bf16. The
-    AVX512-BF16 kernel: scores, an online softmax in fp32 and the weighted values in one pass
+    fused kernel: scores, an online softmax in fp32 and the weighted values in one pass
     over the keys, no [R, K] scores in memory (`cpu_decode.cpp` attend_packed_bf16)."""
     flat = [x for pair in ranges for x in pair]
     return _kernel.attend_packed_bf16(
@@ -263,7 +336,8 @@ def attend_packed(
 
 def fuses_decode_attention(q: Tensor, k: Tensor) -> bool:
     """Whether `decode_attention` runs the fused kernel for q [B, H, D] over k [B, Hkv, S, D]
-    (bf16 on an AVX512-BF16 CPU, nothing for autograd, head_dim a multiple of 32 up to 256)."""
+    (bf16 on a CPU the kernels run on, nothing for autograd, head_dim a multiple of 32 up to
+    256)."""
     d = q.shape[-1]
     return _fast(q, None, k) and k.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256
 
@@ -373,7 +447,7 @@ def decode_stack(model: Any) -> Any | None:
         head_scales,
     )
     params = list(model.parameters())
-    model._decode_stack = (params, [p.data_ptr() for p in params], stack)
+    model._decode_stack = (params, [p.data_ptr() for p in params], stack, _kernel)
     return stack
 
 
@@ -384,14 +458,17 @@ def _q8_of(module: Any) -> tuple[Tensor, Tensor] | None:
 
 
 def _built_stack(model: Any) -> Any | None:
-    """The model's decode stack if one was built for its current weights (None if never built,
-    or if the weights moved since: `.to()`, `param.data = ...`). Checked on every decode step,
-    so against the parameter objects listed at build time (~15 us), not a walk of the module
-    tree (~1 ms for SmolLM2)."""
+    """The model's decode stack if one was built for its current weights by the kernels in use
+    (None if never built, if the weights moved since: `.to()`, `param.data = ...`, or if
+    another instruction set's build is in use now). Checked on every decode step, so against
+    the parameter objects listed at build time (~15 us), not a walk of the module tree (~1 ms
+    for SmolLM2)."""
     cached = getattr(model, "_decode_stack", None)
     if cached is None:
         return None
-    params, ptrs, stack = cached
+    params, ptrs, stack, built_by = cached
+    if built_by is not _kernel:
+        return None
     return stack if all(p.data_ptr() == q for p, q in zip(params, ptrs, strict=True)) else None
 
 
@@ -406,7 +483,7 @@ def head_logits(model: Any, hidden: Tensor) -> Tensor | None:
 
 def argmax(logits: Tensor) -> Tensor:
     """[B, V] -> [B] int64, first index on ties. torch.argmax on CPU takes ~100-250 us for a
-    49k vocabulary; the kernel's AVX512 loop (bf16 read as is) a few us."""
+    49k vocabulary; the kernel's vector loop (bf16 read as is) a few us."""
     if _kernel and logits.device.type == "cpu" and logits.dim() == 2:
         return _kernel.argmax_rows(logits)
     return logits.argmax(dim=-1)

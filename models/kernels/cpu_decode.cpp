@@ -23,6 +23,12 @@
 #include "amx.h"
 #include "bf16_simd.h"
 
+namespace avx512 {
+
+constexpr const char* kIsa = "avx512";
+
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kPrefetchRows = 4;  // prefetch distance in weight rows (one block ahead)
@@ -48,13 +54,6 @@ inline void block_dot(const uint16_t* w, int64_t K, const uint16_t* x, int64_t l
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 template <int R, int M>
@@ -86,38 +85,6 @@ void run(const uint16_t* w, const uint16_t* x, const uint16_t* bias, at::BFloat1
   });
 }
 
-// Calls f(std::integral_constant<int, M>) for a runtime row count 1 <= M <= 8, so the
-// register-blocked kernels get M as a template argument.
-template <typename F>
-void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-// Any row count M >= 1, 8 rows per pass (the registers hold 8 rows' accumulators, so the
-// weights stream once per 8 rows): calls f(m0, std::integral_constant<int, rows>) per pass.
-template <typename F>
-void in_row_passes(int64_t M, F&& f) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8)
-    with_rows(std::min<int64_t>(8, M - m0), [&](auto m) { f(m0, m); });
-}
-
-// The raw pointer of an optional bf16 [N] bias (nullptr without one), checked.
-const uint16_t* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
-              "bias must be a contiguous bf16 [N] tensor");
-  return reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-}
-
 }  // namespace
 
 // x: [M, K] bf16 contiguous, M >= 1 (8 rows per pass); weight: [N, K] bf16 contiguous; bias: [N]
@@ -140,8 +107,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   return y;
 }
 
-namespace {
-
 // One row of RMSNorm with HF's rounding order: normalize in fp32, round to bf16, then multiply
 // by the bf16 weight and round again.
 void norm_row(const uint16_t* x, const uint16_t* w, at::BFloat16* y, int64_t K, float eps) {
@@ -158,20 +123,6 @@ void norm_row(const uint16_t* x, const uint16_t* w, at::BFloat16* y, int64_t K, 
         _mm512_cvtepu16_epi32(to_bf16(normed)), 16));
     store_bf16_masked(y + k, _mm512_mul_ps(rounded, load_bf16_masked(w + k, m)), m);
   }
-}
-
-}  // namespace
-
-// y = RMSNorm(x) * w for x [M, K] bf16.
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "contiguous [M, K]");
-  auto y = torch::empty_like(x);
-  const int64_t M = x.size(0), K = x.size(1);
-  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto yp = y.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; ++m) norm_row(xp + m * K, wp, yp + m * K, K, float(eps));
-  return y;
 }
 
 // h = x + r (rounded to bf16, as the unfused add would be), y = RMSNorm(h) * w. Returns {y, h}.
@@ -388,15 +339,6 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   return out;
 }
 
-// One query per row: row b attends to its slots [0, lens[b]).
-torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    std::vector<int64_t> lens, double scale,
-                                    c10::optional<torch::Tensor> bias) {
-  std::vector<int64_t> rows(q.size(0));
-  for (size_t b = 0; b < rows.size(); ++b) rows[b] = int64_t(b);
-  return attend_rows(q, k, v, rows, lens, scale, bias);
-}
-
 // First index of the largest of n values, 16 lanes at a time: each lane keeps its first
 // maximum (strict >), then the smallest index among the lanes that hold the overall maximum.
 template <typename Load>
@@ -448,33 +390,6 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
   }
   return out;
-}
-
-// fp32 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with N split across the threads. For a few dozen
-// rows (a CDLM block step) MKL's GEMM runs on one core; one GEMM per thread on a slice of W uses
-// them all (measured 1.6x at M = 32 on 2 cores, and never slower). Same arithmetic per output.
-torch::Tensor linear_split(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
-  const int64_t M = x.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = (N + parts - 1) / parts;
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    // Worker threads do not inherit the caller's thread-local modes: restore inference mode
-    // (writing into an inference tensor outside it is an error) and turn grad mode off (the
-    // caller only gets here when autograd has nothing to record; out= ops refuse otherwise).
-    c10::InferenceMode inference_guard(inference);
-    at::NoGradGuard no_grad;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n0 = i * chunk, n1 = std::min(N, n0 + chunk);
-      if (n0 >= n1) continue;
-      auto out = y.narrow(1, n0, n1 - n0);
-      at::mm_out(out, x, w.narrow(0, n0, n1 - n0).t());
-      if (bias.has_value() && bias->defined()) out.add_(bias->narrow(0, n0, n1 - n0));
-    }
-  });
-  return y;
 }
 
 // ---- Packed small-M linear ---------------------------------------------------------------
@@ -673,27 +588,6 @@ bool set_amx(bool enabled) {
   return amx_enabled;
 }
 
-// W [N, K] bf16 -> [ceil(N/16), K/2, 16] int32: word (t, kp, c) holds W[16t + c, 2kp] in its
-// low half and W[16t + c, 2kp + 1] in its high half (zeros past N).
-torch::Tensor pack_bf16(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "contiguous bf16 [N, K] weight");
-  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, tiles = (N + 15) / 16;
-  TORCH_CHECK(K % 2 == 0, "K must be even");
-  auto out = torch::zeros({tiles, K2, 16}, w.options().dtype(torch::kInt32));
-  auto src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t c = 0; c < 16 && t * 16 + c < N; ++c) {
-        const uint16_t* row = src + (t * 16 + c) * K;
-        for (int64_t kp = 0; kp < K2; ++kp)
-          dst[(t * K2 + kp) * 16 + c] = uint32_t(row[2 * kp]) | (uint32_t(row[2 * kp + 1]) << 16);
-      }
-  });
-  return out;
-}
-
 // y [M, N] = x [M, K] @ W^T (+ bias) with W given as pack_bf16(W); any M >= 1.
 torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t N,
                                  c10::optional<torch::Tensor> bias) {
@@ -723,193 +617,11 @@ torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed, int64_t 
   return y;
 }
 
-// Q8_0 int8 weights (cpu_int8.cpp, linked into the same extension).
-std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor scales);
+// Q8_0 int8 weights (cpu_int8.cpp, linked into the same extension; pack_q8 in common.h).
 torch::Tensor linear_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
                         c10::optional<torch::Tensor> bias);
 
-// ---- The whole decode step in one call ---------------------------------------------------
-//
-// Runs every layer for a set of new tokens against their rows' KV caches: one token per row
-// (a decode step), a run of tokens in one row (a prompt), or both in one call. Calls the
-// kernels above directly: the same arithmetic as the Python path with the fused ops, minus
-// ~1,000 Python-level calls per step, and each weight matrix streams from memory once for
-// every token of the step.
-namespace {
-
-struct LayerWeights {
-  torch::Tensor attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up_w,
-      gate_up_b, down_w, down_b;
-  torch::Tensor qkv_p, o_p, gate_up_p, down_p;  // pack_bf16 of the matrices (when packed)
-  // pack_q8 of the matrices (int8 weights: packed codes, fp16 scales), used instead when set.
-  torch::Tensor qkv_q, qkv_qs, o_q, o_qs, gate_up_q, gate_up_qs, down_q, down_qs;
-};
-
-// pack_q8 of optional (codes, scales) into (packed, scales): both undefined without codes.
-void maybe_pack_q8(const c10::optional<torch::Tensor>& codes,
-                   const c10::optional<torch::Tensor>& scales, torch::Tensor& packed,
-                   torch::Tensor& packed_scales) {
-  if (!codes.has_value() || !codes->defined()) return;
-  TORCH_CHECK(scales.has_value() && scales->defined(), "int8 codes without their scales");
-  if (codes->scalar_type() == torch::kUInt8 && codes->dim() == 5) {  // packed already
-    packed = *codes;
-    packed_scales = *scales;
-    return;
-  }
-  auto p = pack_q8(*codes, *scales);
-  packed = p[0];
-  packed_scales = p[1];
-}
-
-torch::Tensor opt(const c10::optional<torch::Tensor>& t) {
-  return t.has_value() ? *t : torch::Tensor();
-}
-
-c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
-  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-
-// The packed copy where the packing applies (K even), else none: `lin` then uses the row kernel.
-torch::Tensor maybe_pack(const torch::Tensor& w) {
-  return w.size(1) % 2 == 0 ? pack_bf16(w) : torch::Tensor();
-}
-
-}  // namespace
-
-class DecodeStack {
- public:
-  DecodeStack(std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
-              torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale, bool packed, torch::Tensor head,
-              c10::optional<torch::Tensor> head_codes, c10::optional<torch::Tensor> head_scales)
-      : final_norm_(final_norm), head_(head), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps),
-        scale_(scale) {
-    maybe_pack_q8(head_codes, head_scales, head_q_, head_qs_);
-    if (packed && !head_q_.defined()) head_p_ = maybe_pack(head);
-    for (auto& l : layers) {
-      // 12 tensors, then optionally int8 (codes, scales) of qkv, o, gate_up and down.
-      TORCH_CHECK(l.size() == 12 || l.size() == 20, "12 or 20 tensors per layer");
-      LayerWeights w{*l[0], *l[1], opt(l[2]), opt(l[3]), opt(l[4]), *l[5], opt(l[6]), *l[7],
-                     *l[8], opt(l[9]), *l[10], opt(l[11])};
-      if (l.size() == 20) {
-        maybe_pack_q8(l[12], l[13], w.qkv_q, w.qkv_qs);
-        maybe_pack_q8(l[14], l[15], w.o_q, w.o_qs);
-        maybe_pack_q8(l[16], l[17], w.gate_up_q, w.gate_up_qs);
-        maybe_pack_q8(l[18], l[19], w.down_q, w.down_qs);
-      }
-      if (packed && !w.qkv_q.defined()) {
-        w.qkv_p = maybe_pack(w.qkv_w);
-        w.o_p = maybe_pack(w.o_w);
-        w.gate_up_p = maybe_pack(w.gate_up_w);
-        w.down_p = maybe_pack(w.down_w);
-      }
-      layers_.push_back(w);
-    }
-  }
-
-  // x [T, hidden] embedded new tokens; keys/values per layer [B, Hkv, S, D]. Token t belongs
-  // to cache row rows[t], goes to slot slots[t] and attends to that row's slots
-  // [0, attend[t]). attend = slots + 1 is causal: one token per row is a decode step, a run of
-  // consecutive slots in one row a prompt, and both can share one call; a block of tokens
-  // that all attend to the block's end is a diffusion block (bidirectional within itself).
-  // cos/sin [T, D]. Writes the new K/V, returns the final hidden states [T, hidden]. The
-  // caller commits the slots (or not: a diffusion block rewrites its scratch slots).
-  torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> keys,
-                        std::vector<torch::Tensor> values,
-                        c10::optional<std::vector<torch::Tensor>> biases,
-                        std::vector<int64_t> rows, std::vector<int64_t> slots,
-                        std::vector<int64_t> attend, torch::Tensor cos, torch::Tensor sin) {
-    const int64_t T = x.size(0), W = (H_ + 2 * Hkv_) * D_;
-    TORCH_CHECK((int64_t)keys.size() == (int64_t)layers_.size(), "one cache per layer");
-    TORCH_CHECK((int64_t)rows.size() == T && (int64_t)slots.size() == T &&
-                    (int64_t)attend.size() == T, "a row, a slot and a length per token");
-    torch::Tensor residual, h;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const LayerWeights& L = layers_[i];
-      if (i == 0) {
-        residual = x;
-        h = rms_norm_bf16(x, L.attn_norm, eps_);
-      } else {
-        auto hr = add_rms_norm_bf16(x, residual, L.attn_norm, eps_);
-        h = hr[0];
-        residual = hr[1];
-      }
-      torch::Tensor qkv = lin(h, L.qkv_w, L.qkv_p, L.qkv_b, L.qkv_q, L.qkv_qs);  // [T, W]
-      if (L.q_norm.defined()) qk_norm(qkv, L.q_norm, L.k_norm);
-      rope_inplace_bf16(qkv, cos, sin, H_ + Hkv_, D_);
-      write_cache(qkv, keys[i], values[i], rows, slots);  // every new K/V before any attends
-      auto q = qkv.as_strided({T, H_, D_}, {W, D_, 1});
-      c10::optional<torch::Tensor> bias =
-          biases.has_value() ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt;
-      torch::Tensor attn = attend_rows(q, keys[i], values[i], rows, attend, scale_, bias);
-      torch::Tensor o = lin(attn, L.o_w, L.o_p, L.o_b, L.o_q, L.o_qs);
-      auto hr = add_rms_norm_bf16(o, residual, L.mlp_norm, eps_);
-      residual = hr[1];
-      torch::Tensor gu = lin(hr[0], L.gate_up_w, L.gate_up_p, L.gate_up_b, L.gate_up_q,
-                             L.gate_up_qs);
-      x = lin(silu_mul_bf16(gu), L.down_w, L.down_p, L.down_b, L.down_q, L.down_qs);
-    }
-    return add_rms_norm_bf16(x, residual, final_norm_, eps_)[0];
-  }
-
-  // Logits [B, vocab] of final hidden states [B, hidden] through the output head.
-  torch::Tensor logits(torch::Tensor h) {
-    return lin(h.contiguous(), head_, head_p_, {}, head_q_, head_qs_);
-  }
-
-  // Whether the matrices run on int8 weights (every layer's, as built).
-  bool int8() const { return !layers_.empty() && layers_[0].qkv_q.defined(); }
-
- private:
-  static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w,
-                           const torch::Tensor& packed, const torch::Tensor& b,
-                           const torch::Tensor& q8 = {}, const torch::Tensor& q8_scales = {}) {
-    if (q8.defined()) return linear_q8(x, q8, q8_scales, w.size(0), maybe(b));
-    return packed.defined() ? linear_packed_bf16(x, packed, w.size(0), maybe(b))
-                            : linear_bf16(x, w, maybe(b));
-  }
-
-  // Qwen3: RMSNorm over each q and k head before RoPE (HF rounding order), in place.
-  void qk_norm(torch::Tensor& qkv, const torch::Tensor& qw, const torch::Tensor& kw) {
-    const int64_t B = qkv.size(0), W = qkv.size(1);
-    auto p = qkv.data_ptr<at::BFloat16>();
-    auto qwp = reinterpret_cast<const uint16_t*>(qw.data_ptr<at::BFloat16>());
-    auto kwp = reinterpret_cast<const uint16_t*>(kw.data_ptr<at::BFloat16>());
-    std::vector<at::BFloat16> tmp(D_);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H_ + Hkv_; ++h) {
-        at::BFloat16* head = p + b * W + h * D_;
-        norm_row(reinterpret_cast<const uint16_t*>(head), h < H_ ? qwp : kwp, tmp.data(), D_,
-                 float(eps_));
-        std::memcpy(head, tmp.data(), D_ * sizeof(at::BFloat16));
-      }
-  }
-
-  // k/v of each token (heads H.. and H+Hkv.. of qkv) into slot slots[t] of cache row rows[t].
-  void write_cache(const torch::Tensor& qkv, torch::Tensor& k, torch::Tensor& v,
-                   const std::vector<int64_t>& rows, const std::vector<int64_t>& slots) {
-    const int64_t T = qkv.size(0), W = qkv.size(1), B = k.size(0), S = k.size(2);
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "contiguous cache buffers");
-    auto src = qkv.data_ptr<at::BFloat16>();
-    auto kp = k.data_ptr<at::BFloat16>();
-    auto vp = v.data_ptr<at::BFloat16>();
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(rows[t] >= 0 && rows[t] < B && slots[t] >= 0 && slots[t] < S,
-                  "row or slot outside the cache");
-      for (int64_t g = 0; g < Hkv_; ++g) {
-        const int64_t dst = ((rows[t] * Hkv_ + g) * S + slots[t]) * D_;
-        std::memcpy(kp + dst, src + t * W + (H_ + g) * D_, D_ * sizeof(at::BFloat16));
-        std::memcpy(vp + dst, src + t * W + (H_ + Hkv_ + g) * D_, D_ * sizeof(at::BFloat16));
-      }
-    }
-  }
-
-  std::vector<LayerWeights> layers_;
-  torch::Tensor final_norm_, head_, head_p_, head_q_, head_qs_;
-  int64_t H_, Hkv_, D_;
-  double eps_, scale_;
-};
-
+#include "decode_stack.h"
 
 // ---- prefill attention: many queries over key ranges of one layer's keys -------------------
 // Keys and values packed once per layer for the bf16 dot-product instruction
@@ -1131,33 +843,7 @@ torch::Tensor attend_packed_bf16(const torch::Tensor& q, const torch::Tensor& kp
   return out;
 }
 
+}  // namespace avx512
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The kernels touch no Python objects: let other Python threads (the HTTP event loop) run
-  // while a decode step computes.
-  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("linear_bf16", &linear_bf16, "small-M bf16 x @ W^T (+ bias)", nogil);
-  m.def("pack_bf16", &pack_bf16, "pack W [N, K] for linear_packed_bf16", nogil);
-  m.def("linear_packed_bf16", &linear_packed_bf16, "small-M x @ W^T with a packed W", nogil);
-  m.def("linear_split", &linear_split, "x @ W^T (+ bias), N split across threads", nogil);
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm", nogil);
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual add + RMSNorm", nogil);
-  m.def("silu_mul_bf16", &silu_mul_bf16, "SwiGLU activation", nogil);
-  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half RoPE, in place", nogil);
-  m.def("decode_attention_bf16", &decode_attention_bf16, "one query per row vs the KV cache", nogil);
-  m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 and linear_q8 where possible");
-  m.def("amx_int8", &amx_int8_enabled, "whether linear_q8 runs on AMX-INT8 tiles");
-  m.def("amx_int8_calls", &amx_int8_count, "how many linear_q8 products ran on the tiles");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax", nogil);
-  m.def("pack_attention_kv", &pack_attention_kv, "pack a layer's K, V for attend_packed_bf16", nogil);
-  m.def("attend_packed_bf16", &attend_packed_bf16, "query rows over key ranges of packed K, V", nogil);
-  m.def("pack_q8", &pack_q8, "pack Q8_0 codes and scales for linear_q8", nogil);
-  m.def("linear_q8", &linear_q8, "small-M x @ W^T with Q8_0 int8 weights (VNNI/AMX)", nogil);
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
-                          int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
-                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>())
-      .def("forward", &DecodeStack::forward, nogil)
-      .def("logits", &DecodeStack::logits, nogil)
-      .def("int8", &DecodeStack::int8);
-}
+#define CDLM_ISA avx512
+#include "bindings.h"

@@ -34,6 +34,10 @@
 #include "amx.h"
 #include "bf16_simd.h"
 
+namespace avx512 {
+
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;         // weights (and activations) per scale
@@ -294,38 +298,6 @@ bool amx_int8_enabled() { return amx_int8_on; }
 
 int64_t amx_int8_count() { return amx_int8_calls.load(std::memory_order_relaxed); }
 
-// codes int8 [N, K] (K a multiple of 32), scales fp32 [N, K / 32] -> {packed u8 [tiles, K/32,
-// 8, 16, 4] (code + 128, zero rows past N), scales fp16 [tiles, K/32, 16]}.
-std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor scales) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous(),
-              "contiguous int8 [N, K] codes");
-  const int64_t N = codes.size(0), K = codes.size(1), nb = K / kBlock, tiles = (N + 15) / 16;
-  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == nb &&
-                  scales.scalar_type() == torch::kFloat32,
-              "fp32 [N, K / 32] scales");
-  auto packed = torch::full({tiles, nb, 8, 16, 4}, 128, codes.options().dtype(torch::kUInt8));
-  auto half = torch::zeros({tiles, nb, 16}, codes.options().dtype(torch::kFloat16));
-  auto s = scales.contiguous();
-  const int8_t* src = codes.data_ptr<int8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  at::Half* hp = half.data_ptr<at::Half>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t c = 0; c < 16 && t * 16 + c < N; ++c) {
-        const int64_t n = t * 16 + c;
-        for (int64_t b = 0; b < nb; ++b) {
-          hp[(t * nb + b) * 16 + c] = at::Half(sp[n * nb + b]);
-          for (int64_t k = 0; k < kBlock; ++k)
-            dst[((((t * nb + b) * 8 + k / 4) * 16 + c) * 4) + k % 4] =
-                uint8_t(int(src[n * K + b * kBlock + k]) + 128);
-        }
-      }
-  });
-  return {packed, half};
-}
-
 // y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias bf16 [N]) with W as pack_q8 gives it; any M >= 1
 // (8 rows per pass over the weights on VNNI, 16 per tile on AMX).
 torch::Tensor linear_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
@@ -371,3 +343,5 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   }
   return y;
 }
+
+}  // namespace avx512
