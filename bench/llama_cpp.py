@@ -100,6 +100,16 @@ def binaries(isa: str = "native") -> dict[str, Path]:
     return found
 
 
+def quantize_tool() -> Path:
+    """llama-quantize of any build already made (its output is the same whatever the ISA),
+    else of the native one."""
+    for isa in ISA_FLAGS:
+        bin_dir = home() / ("bin" if isa == "native" else f"bin-{isa}")
+        if (bin_dir / "llama-quantize").is_file():
+            return bin_dir / "llama-quantize"
+    return binaries()["llama-quantize"]
+
+
 def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
     """`model` (an HF folder we serve) as a GGUF file, made once:
     - "source": a built-in model's own GGUF, the file ours is converted from (SmolLM2's Q4_1,
@@ -120,7 +130,7 @@ def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
             assemble_gguf(BUILTIN[model], Path(work)).rename(out)
         return out
     if kind == "bf16" and model in BUILTIN:
-        quantize = str(binaries()["llama-quantize"])
+        quantize = str(quantize_tool())
         _run([quantize, "--allow-requantize", str(gguf(model, "source")), str(tmp), "BF16"])
     elif kind == "bf16":
         src = source()
@@ -129,7 +139,7 @@ def gguf(model: str = DEFAULT_AR_MODEL, kind: str = "bf16") -> Path:
         print("+", " ".join(cmd), flush=True)
         subprocess.run([*cmd, "--outtype", "bf16", "--outfile", str(tmp)], check=True, env=env)
     else:
-        _run([str(binaries()["llama-quantize"]), str(gguf(model, "bf16")), str(tmp), kind])
+        _run([str(quantize_tool()), str(gguf(model, "bf16")), str(tmp), kind])
     tmp.rename(out)
     return out
 

@@ -387,7 +387,9 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // No reductions, and each tile is one contiguous stream.
 namespace {
 
-constexpr int64_t kPackedPrefetch = 8;  // lines ahead within a tile's stream
+// Lines ahead within a tile's stream, fetched into L2 (T1): 16 lines into L2 was 13% faster
+// than 8 into L1 over SmolLM2's decode step (2-core EPYC, AVX2; 12 and 24 in between, 32 less).
+constexpr int64_t kPackedPrefetch = 16;
 
 template <int M, int R>
 inline void packed_tiles(const uint32_t* p, int64_t K2, const float* x, int64_t ldx,
@@ -405,7 +407,7 @@ inline void packed_tiles(const uint32_t* p, int64_t K2, const float* x, int64_t 
     }
     for (int r = 0; r < R; ++r) {
       const uint32_t* line = base + (r * K2 + kp) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(line + kPackedPrefetch * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line + kPackedPrefetch * 16), _MM_HINT_T1);
       for (int half = 0; half < 2; ++half) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(line + 8 * half));
         const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));

@@ -66,6 +66,10 @@ Activations quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
   return a;
 }
 
+// Each tile's codes are prefetched into L2 this many 64-byte lines ahead (two blocks): 8% more
+// tokens/s at 1 row, 4% at 8, over the decode step of SmolLM2 (2-core EPYC; 8 and 32 lines
+// in between).
+constexpr int64_t kCodesAhead = 16;
 // The scales are prefetched this many blocks ahead (a tile's scales are a short stream of
 // their own that the hardware prefetchers do not pick up; cpu_int8.cpp measured it).
 constexpr int64_t kScalesAhead = 16;
@@ -93,6 +97,9 @@ inline void q8_tiles(const uint8_t* w, const uint16_t* ws, int64_t nb, const int
       for (int r = 0; r < R; ++r)
         for (int half = 0; half < 2; ++half) {
           const uint8_t* line = w + (((tile + r) * nb + b) * 8 + q) * 64 + 32 * half;
+          if (half == 0)  // an address, not a pointer: it may pass the end (never faults)
+            _mm_prefetch(reinterpret_cast<const char*>(uintptr_t(line) + kCodesAhead * 64),
+                         _MM_HINT_T1);
           const __m256i code = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)line), flip);
           const __m256i size = _mm256_abs_epi8(code);
           for (int m = 0; m < M; ++m) {
