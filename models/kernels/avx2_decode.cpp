@@ -30,52 +30,96 @@ constexpr const char* kIsa = "avx2";
 #include "common.h"
 
 // ---- Row-major small-M linear ----------------------------------------------------------------
+//
+// W [N, K] as it lies: 16 consecutive bf16 of a row are one 32-byte load, whose words are
+// (k, k + 1) pairs: shifted left by 16 bits they are the even k in fp32, masked to their high
+// halves the odd k. The activations are widened once, each 16 k as their 8 even then their 8
+// odd values (`widen_pairs`), so one FMA per half multiplies them lane for lane: a load, two
+// integer ops and two FMAs per 16 weights and row, as the packed kernel's, plus one horizontal
+// sum per output at the end.
 namespace {
 
-// R outputs (weight rows) x M activation rows over all K; fp32 activations [M][ldx], zeros
-// past K.
+// Where `widen_pairs` puts activation k within its row.
+inline int64_t pair_slot(int64_t k) { return (k / 16) * 16 + (k % 2) * 8 + (k % 16) / 2; }
+
+// x [M, K] bf16 -> fp32 rows of `ld` floats (K rounded up to 16): each 16 k as x[k], x[k + 2],
+// ..., x[k + 14], then x[k + 1], ..., x[k + 15]; zeros past K.
+std::vector<float> widen_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ld) {
+  std::vector<float> out(M * ld, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      out[m * ld + pair_slot(k)] = bf16_to_float(x[m * K + k]);
+  return out;
+}
+
+// R outputs (weight rows) x M activation rows over all K; activations as `widen_pairs` gives
+// them, rows `ldx` apart. Up to 4 rows the even and odd k sum apart (twice the independent
+// FMA chains: at one row, four outputs' chains alone leave the FMA units waiting on latency).
+// A K that is not a multiple of 16 ends in scalar code (no model's is; it keeps the loop free
+// of anything that would send the accumulators to memory).
 template <int M, int R>
 inline void row_block(const uint16_t* w, int64_t K, const float* x, int64_t ldx, float out[M][R]) {
-  __m256 acc[M][R];
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  __m256 acc[M][R], odd[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8)
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = load8(w + r * K + k);
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m][r]);
+    for (int r = 0; r < R; ++r) acc[m][r] = odd[m][r] = _mm256_setzero_ps();
+  const int64_t whole = K / 16 * 16;
+  for (int64_t k = 0; k < whole; k += 16) {
+    __m256 xe[M], xo[M];  // loaded once for the R outputs: the load ports are what bound it
+    for (int m = 0; m < M; ++m) {
+      xe[m] = _mm256_loadu_ps(x + m * ldx + k);
+      xo[m] = _mm256_loadu_ps(x + m * ldx + k + 8);
     }
-  if (k < K)
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = load8_part(w + r * K + k, K - k);
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m][r]);
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + r * K + k));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+      for (int m = 0; m < M; ++m) {
+        acc[m][r] = _mm256_fmadd_ps(we, xe[m], acc[m][r]);
+        if constexpr (M <= 4)
+          odd[m][r] = _mm256_fmadd_ps(wo, xo[m], odd[m][r]);
+        else
+          acc[m][r] = _mm256_fmadd_ps(wo, xo[m], acc[m][r]);
+      }
     }
+  }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m][r] = hsum(acc[m][r]);
+    for (int r = 0; r < R; ++r) out[m][r] = hsum(_mm256_add_ps(acc[m][r], odd[m][r]));
+  for (int64_t k = whole; k < K; ++k)  // the scalar tail
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        out[m][r] += bf16_to_float(w[r * K + k]) * x[m * ldx + pair_slot(k)];
+}
+
+// Outputs [begin, end) of every row, R at a time. Not inlined into the parallel loop's
+// lambda: there GCC kept row_block's accumulators in memory, a store per FMA.
+template <int M>
+__attribute__((noinline)) void row_range(const uint16_t* w, const float* x, int64_t ldx,
+                                         const uint16_t* bias, at::BFloat16* y, int64_t N,
+                                         int64_t K, int64_t begin, int64_t end) {
+  // The accumulators (2 M R) within the 16 vector registers.
+  constexpr int R = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  float out[M][R];
+  float one[M][1];
+  int64_t n = begin;
+  for (; n + R <= end; n += R) {
+    row_block<M, R>(w + n * K, K, x, ldx, out);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        y[m * N + n + r] = at::BFloat16(out[m][r] + (bias ? bf16_to_float(bias[n + r]) : 0.f));
+  }
+  for (; n < end; ++n) {
+    row_block<M, 1>(w + n * K, K, x, ldx, one);
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = at::BFloat16(one[m][0] + (bias ? bf16_to_float(bias[n]) : 0.f));
+  }
 }
 
 template <int M>
 void row_run(const uint16_t* w, const float* x, int64_t ldx, const uint16_t* bias,
              at::BFloat16* y, int64_t N, int64_t K) {
-  // M * R accumulators within the 16 vector registers, beside the weight vectors.
-  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    float out[M][R];
-    float one[M][1];
-    int64_t n = begin;
-    for (; n + R <= end; n += R) {
-      row_block<M, R>(w + n * K, K, x, ldx, out);
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < R; ++r)
-          y[m * N + n + r] = at::BFloat16(out[m][r] + (bias ? bf16_to_float(bias[n + r]) : 0.f));
-    }
-    for (; n < end; ++n) {
-      row_block<M, 1>(w + n * K, K, x, ldx, one);
-      for (int m = 0; m < M; ++m)
-        y[m * N + n] = at::BFloat16(one[m][0] + (bias ? bf16_to_float(bias[n]) : 0.f));
-    }
+    row_range<M>(w, x, ldx, bias, y, N, K, begin, end);
   });
 }
 
@@ -90,12 +134,12 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16 only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs only");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ld = padded8(K);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ld = (K + 15) / 16 * 16;
   TORCH_CHECK(M >= 1, "at least one row");
   auto y = torch::empty({M, N}, x.options());
   auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const std::vector<float> xf =
-      widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, ld);
+      widen_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, ld);
   const uint16_t* b = bias_ptr(bias, N);
   auto out = y.data_ptr<at::BFloat16>();
   in_row_passes(M, [&](int64_t m0, auto m) {
