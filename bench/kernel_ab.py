@@ -5,11 +5,12 @@
 
 Decode speed on a 2-core box moves by 5-10% between processes (the memory bandwidth switches
 levels), more than most kernel changes are worth; bench.quantized run once per tree cannot see
-a 5% change. Here both builds run in one process: `DIR`'s `models/kernels/*.cpp` are compiled
-under another module name (`DecodeStack` renamed so both load), SmolLM2 is loaded once per tree
-and kind in the order base, new, new, base (ABBA, so where a copy of the weights sits in memory
-favours neither), each copy's decode stack built with its tree's kernels, and greedy decoding
-of `--new-tokens` tokens (ignore_eos) at batch 1 and 8 runs every copy in turn, each round
+a 5% change. Here both builds run in one process: `DIR`'s sources of the build this machine
+runs (AVX512 or AVX2, `models.kernels.BUILDS`) are compiled under another module name
+(`DecodeStack` renamed so both load), SmolLM2 is loaded once per tree and kind in the order
+base, new, new, base (ABBA, so where a copy of the weights sits in memory favours neither),
+each copy's decode stack built with its tree's kernels, and greedy decoding of
+`--new-tokens` tokens (ignore_eos) at batch 1 and 8 runs every copy in turn, each round
 starting at the next copy. Reported: medians per tree and kind, new / base, and int8 / bf16
 per tree. Only the fused decode step differs between the trees (prefill, argmax and the rest
 are this checkout's).
@@ -68,13 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     if not kernels.enable_cpu_kernels():
-        raise SystemExit("the fused CPU kernels (AVX512-BF16/VNNI) are not available here")
-    names = ("cpu_decode.cpp", "cpu_int8.cpp")
+        raise SystemExit("the fused CPU kernels are not available here (no AVX2)")
+    isa = kernels.active_isa()
+    assert isa is not None
+    names = kernels.BUILDS[isa][0]  # the same instruction set's build of the other checkout
     sources = [str(args.base / "models" / "kernels" / n) for n in names]
     builds = {
         "new": kernels._kernel,
         "base": kernels.build_extension(
-            "cdlm_cpu_decode_ab_base", sources, ("DecodeStack=DecodeStack_ab_base",)
+            f"cdlm_cpu_{isa}_ab_base", sources, ("DecodeStack=DecodeStack_ab_base",), isa
         ),
     }
     tok = AutoTokenizer.from_pretrained(resolve(args.model))

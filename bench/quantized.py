@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     from train import austen
 
     if not kernels.enable_cpu_kernels():
-        raise SystemExit("the fused CPU kernels (AVX512-BF16/VNNI) are needed for int8 decoding")
+        raise SystemExit("the fused CPU kernels (AVX2 or AVX512) are needed for int8 decoding")
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     bf16 = load_model(folder, dtype=torch.bfloat16)[0]

@@ -55,7 +55,10 @@ class ModelRunner:
         runs one forward per run of consecutive rows of one kind (decode steps, or prompts)."""
         prompts = sum(len(tokens) for _, tokens in chunks if len(tokens) > 1)
         stack = self.stack()
-        if stack is not None and prompts <= FUSED_PREFILL_TOKENS:
+        # A sliding-window model's fused step takes decode steps only: its window bias is a
+        # row's (one token a row), and prompts need the ring grown past the window.
+        windowed = bool(self.model.config.local_layers)
+        if stack is not None and prompts <= (0 if windowed else FUSED_PREFILL_TOKENS):
             return self.fused_step(stack, chunks, cache)
         return torch.cat([self._extend_run(run, cache) for run in _runs(chunks)])
 
@@ -98,7 +101,9 @@ class ModelRunner:
     def fits_fused_pass(self, tokens: int) -> Any | None:
         """The fused step for a diffusion pass of `tokens` new tokens (all rows), or None if
         the PyTorch path is the one for it (`FUSED_STEP_TOKENS`)."""
-        return self.stack() if tokens <= FUSED_STEP_TOKENS else None
+        if tokens > FUSED_STEP_TOKENS or self.model.config.local_layers:
+            return None
+        return self.stack()
 
     def fused_tokens(
         self,
@@ -123,7 +128,7 @@ class ModelRunner:
         device, d = model.device, model.config.head_dim
         cos, sin = model.rotary(max(positions) + 1).lookup(torch.tensor([positions], device=device))
         x = model.embed(torch.tensor(list(ids), device=device))  # [T, hidden]
-        hidden: Tensor = stack.forward(  # the fused kernels' extension: untyped
+        args = [
             x,
             cache.keys,
             cache.values,
@@ -133,8 +138,38 @@ class ModelRunner:
             list(attend),
             cos.reshape(-1, d).contiguous(),  # [T, D]
             sin.reshape(-1, d).contiguous(),
-        )
+        ]
+        if cache.window is None:
+            hidden: Tensor = stack.forward(*args)  # the fused kernels' extension: untyped
+            return hidden
+        hidden = stack.forward_windowed(*args, *self._window_args(rows, positions, cache))
         return hidden
+
+    def _window_args(self, rows: Sequence[int], positions: list[int], cache: KVCache) -> list[Any]:
+        """The sliding-window layers' side of a fused step of one token a row (rows[t] at
+        position positions[t]): the rings, each token's ring slot, the bias [B, Hkv, R] that
+        hides each row's slots outside its token's window (as `WindowCache.mask` sees them),
+        and the window layers' RoPE [T, D]."""
+        window = cache.window
+        assert window is not None
+        window.ensure(1, cache.logical)
+        model, device = self.model, self.model.device
+        pos = torch.tensor(positions, device=device)  # [T]
+        held = window.positions(pos)  # [T, R]: what each slot holds once the token is written
+        visible = (held >= 0) & (held > pos[:, None] - window.window)  # [T, R]
+        bias = torch.zeros(cache.batch, model.config.num_kv_heads, window.ring, device=device)
+        hidden = torch.full_like(visible, float("-inf"), dtype=bias.dtype)
+        bias[torch.tensor(list(rows), device=device)] = torch.where(visible, 0.0, hidden)[:, None]
+        cos, sin = model.rotary(max(positions) + 1, local=True).lookup(pos[None])
+        d = model.config.head_dim
+        return [
+            window.keys,
+            window.values,
+            [p % window.ring for p in positions],
+            bias,
+            cos.reshape(-1, d).contiguous(),
+            sin.reshape(-1, d).contiguous(),
+        ]
 
     # ---- the model's own calls -----------------------------------------------------------
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:

@@ -261,8 +261,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [..., 2I]
         if self.act == "silu":
             return self.down_proj(kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(kernels.gelu_mul(gate_up))
 
 
 class Block(nn.Module):

@@ -60,7 +60,7 @@ def skip_unless(feature: str, usable: bool, what: str) -> None:
     pytest.skip(f"{what}: this CPU lacks {feature}")
 
 
-# The kernel builds (models/kernels `_BUILDS`) and the feature each needs.
+# The kernel builds (models/kernels `BUILDS`) and the feature each needs.
 ISAS = ("avx2", "avx512")
 FEATURE = {"avx2": "avx2", "avx512": "avx512-bf16"}
 

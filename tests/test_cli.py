@@ -63,3 +63,37 @@ def test_a_responses_ttl_must_be_a_finite_number_of_hours(hours):
     args = cli.build_parser().parse_args(["serve", "--responses-ttl-hours", hours])
     with pytest.raises(SystemExit, match="--responses-ttl-hours must be >= 0"):
         cli.serve(args)
+
+
+def test_a_cpu_isa_this_cpu_cannot_run_is_refused_at_start_up(monkeypatch):
+    """--cpu-isa names a kernel build; one this CPU lacks (AVX512 on an AVX2 machine, or any
+    where the kernels cannot run) stops the server with a clear message before it loads."""
+    from models import kernels
+
+    missing = [isa for isa in ("avx512", "avx2") if not kernels.cpu_has(isa)]
+    if not missing:
+        pytest.skip("this CPU runs every build: nothing to refuse")
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--cpu-isa", missing[0]])
+    try:
+        with pytest.raises(SystemExit, match=f"--cpu-isa {missing[0]}: this CPU cannot run it"):
+            cli.serve(args)
+    finally:
+        monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+
+
+def test_the_dtype_follows_the_kernels_this_cpu_runs(monkeypatch):
+    """auto: bf16 wherever the fused kernels run (AVX2 or AVX512-BF16), fp32 where none do
+    (as CDLM_SERVE_CPU_KERNELS=0 makes it here), and the start-up log says why."""
+    import torch
+
+    from models import kernels
+
+    cpu = torch.device("cpu")
+    if kernels.cpu_isa() is not None:
+        assert cli.pick_dtype("auto", cpu) == torch.bfloat16
+        assert kernels.cpu_isa() in cli.dtype_reason("auto", torch.bfloat16, cpu)
+    monkeypatch.setenv("CDLM_SERVE_CPU_KERNELS", "0")
+    assert cli.pick_dtype("auto", cpu) == torch.float32
+    assert "CDLM_SERVE_CPU_KERNELS=0" in cli.dtype_reason("auto", torch.float32, cpu)
+    assert cli.pick_dtype("float32", cpu) == torch.float32

@@ -191,6 +191,76 @@ def test_silu_over_the_whole_range():
     assert ((fast.float() - ref.float()).abs() <= 1e-2 * ref.float().abs() + 1e-6).all()
 
 
+def test_gelu_gate_over_the_whole_range():
+    """Gemma's GeGLU, gelu_tanh(g) * u, from -100 to 100 (the kernel's tanh through its exp:
+    no inf/NaN at either end) and on random rows with a tail of 3 past the vectors."""
+    g = torch.linspace(-100, 100, 4003)
+    gu = torch.cat([g, torch.linspace(-2, 2, 4003)]).view(1, -1).to(BF16)
+    rows = torch.randn(3, 2 * 99, generator=torch.Generator().manual_seed(4)).to(BF16)
+    with torch.inference_mode():
+        for x in (gu, rows):
+            fast, ref = both(lambda x=x: kernels.gelu_mul(x))
+            assert fast.shape == ref.shape and torch.isfinite(fast.float()).all()
+            err = (fast.float() - ref.float()).abs()
+            assert (err <= 1e-2 * ref.float().abs() + 1e-2).all(), err.max()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny bf16 Gemma 3 (head_dim 32): sandwich norms, GELU, q/k norms, a window of 8 on
+    layers 0 and 2 with their own RoPE base."""
+    folder = tmp_path_factory.mktemp("bf16-gemma")
+    tiny_models.hf_tiny("gemma3", folder, head_dim=32)
+    return load_model(folder, dtype=BF16)[0], load_model(folder, dtype=torch.float32)[0]
+
+
+def test_gemma_decodes_through_the_fused_step_with_its_window_rings(gemma):
+    """Gemma 3's decode steps take the fused step (`forward_windowed`: the window layers' rings,
+    their window as a bias, their RoPE): two rows of different lengths, 14 steps past the
+    window of 8 (the rings wrapped), give logits as close to the fp32 model's as the bf16
+    PyTorch path's are (2% of their norm here: bf16's rounding, through 3 layers and 14 steps),
+    and write the same K/V into the rings and the global cache, to bf16 rounding. Prompts still
+    take PyTorch's."""
+    model, exact_model = gemma
+    model._decode_stack = None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (20, 11)]
+    steps = torch.randint(0, 256, (2, 14), generator=gen).tolist()
+    calls = []
+
+    def run(model=model):
+        runner, cache = ModelRunner(model), model.new_cache(2, 8)
+        with torch.inference_mode():
+            runner.extend([(0, prompts[0]), (1, prompts[1])], cache)
+            out = []
+            for i in range(14):
+                before = kernels._kernel.calls() if kernels._kernel else 0
+                hidden = runner.extend([(0, [steps[0][i]]), (1, [steps[1][i]])], cache)
+                calls.append(kernels._kernel.calls() - before if kernels._kernel else 0)
+                out.append(model.logits(hidden).float())
+        assert cache.logical == [34, 25] and cache.window.ring >= 8  # (grown for the prompts)
+        return torch.stack(out), cache
+
+    (got, cache), (ref, ref_cache) = both(run)
+    assert calls[:14] == [1] * 14 and calls[14:] == [0] * 14  # one fused call a step, then none
+    with kernels.cpu_kernels(False):
+        exact, _ = run(exact_model)
+
+    def error(x: torch.Tensor) -> float:
+        return float((x - exact).norm() / exact.norm())
+
+    assert error(got) <= 1.25 * error(ref) + 1e-3, (error(got), error(ref))
+    for ours, theirs in (
+        *zip(
+            cache.window.keys + cache.window.values,
+            ref_cache.window.keys + ref_cache.window.values,
+            strict=True,
+        ),
+        *zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values, strict=True),
+    ):
+        assert (ours.float() - theirs.float()).abs().max() <= 0.05 * theirs.float().abs().max()
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny bf16 Llama with head_dim 64, so every fused op applies."""

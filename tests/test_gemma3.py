@@ -342,15 +342,17 @@ def test_a_compacted_row_continues_as_transformers_over_its_kept_positions(pair)
 
 
 def test_decode_steps_attend_through_the_fused_kernel_as_sdpa_does(tmp_path, monkeypatch):
-    """bf16 on the CPU kernels, a decode step on the PyTorch path (Gemma takes no fused step)
-    attends through the fused attention kernel: the window ring's slots out of the window and a
-    shorter row's padding as -inf bias. Two rows of different lengths, past the window (the
-    ring wrapped), get the logits SDPA's path gives, to bf16 rounding."""
+    """bf16 on the CPU kernels, a decode step on the PyTorch path (the fused step turned off
+    here; tests/test_cpu_kernels.py has Gemma's) attends through the fused attention kernel:
+    the window ring's slots out of the window and a shorter row's padding as -inf bias. Two
+    rows of different lengths, past the window (the ring wrapped), get the logits SDPA's path
+    gives, to bf16 rounding."""
     from cpu_features import skip_unless
     from engine.model_runner import ModelRunner
     from models import kernels
 
     skip_unless("avx2", kernels.enable_cpu_kernels(), "the fused CPU kernels")
+    monkeypatch.setattr(ModelRunner, "stack", lambda self: None)
     tiny_models.hf_tiny("gemma3", tmp_path, head_dim=32)
     model, _ = load_model(tmp_path, dtype=torch.bfloat16)
     calls = []

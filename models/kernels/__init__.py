@@ -37,7 +37,7 @@ _HERE = Path(__file__).parent
 # Each instruction set's build: its sources (they share common.h, decode_stack.h, bindings.h)
 # and compiler flags. AVX512: AVX512-BF16 dot products and VNNI int8 (AMX where the compiler
 # has it); AVX2: x86-64-v3 (AVX2, FMA, F16C), bf16 widened to fp32 in registers.
-_BUILDS = {
+BUILDS = {
     "avx512": (
         ("cpu_decode.cpp", "cpu_int8.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c"),
@@ -80,9 +80,9 @@ def cpu_isa() -> str | None:
     if os.environ.get("CDLM_SERVE_CPU_KERNELS", "1") == "0":
         return None
     asked = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if asked not in ("native", *_BUILDS):
+    if asked not in ("native", *BUILDS):
         raise ValueError(f"{ISA_ENV}={asked!r}: expected native, avx512 or avx2")
-    for isa in _BUILDS if asked == "native" else (asked,):
+    for isa in BUILDS if asked == "native" else (asked,):
         if cpu_has(isa):
             return isa
     return None
@@ -118,7 +118,7 @@ def build_extension(
     process."""
     from torch.utils.cpp_extension import load
 
-    files, isa_flags = _BUILDS[isa]
+    files, isa_flags = BUILDS[isa]
     sources = sources or [str(_HERE / f) for f in files]
     flags = ["-O3", *isa_flags, "-fopenmp", *(f"-D{d}" for d in defines)]
     amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if isa == "avx512" else []
@@ -272,6 +272,16 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_mul(gate_up: Tensor) -> Tensor:
+    """[..., 2I] (gate, up) -> gelu_tanh(gate) * up [..., I] (Gemma's GeGLU)."""
+    two_i = gate_up.shape[-1]
+    if _fast(gate_up, gate_up.numel() // two_i):
+        out = _kernel.gelu_mul_bf16(gate_up.reshape(-1, two_i).contiguous())
+        return out.view(*gate_up.shape[:-1], two_i // 2)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotate_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int) -> Tensor:
     """Apply rotate-half RoPE to the first `n_heads` heads of qkv [B, Q, W] (q heads, then k
     heads); cos/sin broadcast to [B, Q, 1, D]. May rotate in place; returns the result."""
@@ -380,24 +390,16 @@ def pack_q8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor] | None:
 
 def fused_step_takes(cfg: Any) -> bool:
     """Whether the fused decode step implements this config's model (where the kernels run):
-    the Llama-shaped block, head_dim a multiple of 32."""
-    return _llama_shaped(cfg) and cfg.head_dim % 32 == 0
-
-
-def _llama_shaped(cfg: Any) -> bool:
-    """Whether a config is the block the fused step implements: pre-norm only, SwiGLU,
-    plain embeddings and scale, every layer global."""
+    pre-norm blocks (Gemma's sandwich norms too), a SiLU or GELU-tanh gate, global or
+    sliding-window layers, head_dim a multiple of 32 up to 256."""
     return (
-        cfg.hidden_act == "silu"
-        and not (cfg.sandwich_norms or cfg.embed_scale or cfg.local_layers)
-        and cfg.attention_scale is None
+        cfg.hidden_act in ("silu", "gelu_tanh") and cfg.head_dim % 32 == 0 and cfg.head_dim <= 256
     )
 
 
 def decode_stack(model: Any) -> Any | None:
     """The model's layers as one fused C++ decode step (`DecodeStack`), or None where the
-    kernels do not apply (GPU, fp32, head_dim not a multiple of 32, training, a family the
-    step does not implement: Gemma's sandwich norms, GELU, sliding windows). Built once per
+    kernels do not apply (GPU, fp32, head_dim not a multiple of 32, training). Built once per
     model and kept on it; rebuilt if its weights are replaced."""
     cfg = model.config
     weight = model.embed_tokens.weight
@@ -429,23 +431,31 @@ def decode_stack(model: Any) -> Any | None:
                 mlp.down_proj.weight,
                 mlp.down_proj.bias,
                 *(int8 if any(t is not None for t in int8) else []),
+                *(
+                    [block.attn_post_norm.weight, block.mlp_post_norm.weight]
+                    if block.attn_post_norm is not None and block.mlp_post_norm is not None
+                    else []
+                ),
             ]
         )
     head = model.lm_head if model.lm_head is not None else model.embed_tokens
     head_codes, head_scales = _q8_of(head) or (None, None)
-    stack = _kernel.DecodeStack(
+    args = [
         layers,
         model.norm.weight,
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
         cfg.rms_norm_eps,
-        cfg.head_dim**-0.5,
+        cfg.scale,
         os.environ.get("CDLM_SERVE_PACKED", "1") != "0",
         head.weight,
         head_codes,
         head_scales,
-    )
+    ]
+    if cfg.local_layers or cfg.hidden_act != "silu":  # (a build before them takes the 11)
+        args += [[cfg.is_local(i) for i in range(cfg.num_layers)], cfg.hidden_act == "gelu_tanh"]
+    stack = _kernel.DecodeStack(*args)
     params = list(model.parameters())
     model._decode_stack = (params, [p.data_ptr() for p in params], stack, _kernel)
     return stack

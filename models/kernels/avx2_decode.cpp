@@ -206,6 +206,33 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   return y;
 }
 
+// gu [M, 2I] (gate then up) -> gelu_tanh(gate) * up [M, I] (Gemma's GeGLU), in fp32, rounded
+// once: gelu_tanh(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), and
+// 1 + tanh(z) = 2 - 2 / (exp(2z) + 1), exact at both ends (exp8 clamps, never overflows).
+torch::Tensor gelu_mul_bf16(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "contiguous [M, 2I]");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  auto y = torch::empty({M, I}, gu.options());
+  auto gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
+  auto yp = y.data_ptr<at::BFloat16>();
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = gp + m * 2 * I;
+    const uint16_t* u = g + I;
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 gv = load8_any(g + i, I - i), uv = load8_any(u + i, I - i);
+      const __m256 inner = _mm256_mul_ps(
+          c, _mm256_fmadd_ps(_mm256_mul_ps(k, gv), _mm256_mul_ps(gv, gv), gv));  // z
+      const __m256 e = exp8(_mm256_add_ps(inner, inner));                      // exp(2z)
+      const __m256 plus = _mm256_sub_ps(two, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+      const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv), plus);
+      store8_any(yp + m * I + i, _mm256_mul_ps(gelu, uv), I - i);
+    }
+  }
+  return y;
+}
+
 // Rotate, in place, the first n_heads heads of each row of qkv [M, W] with "rotate half" RoPE;
 // cos/sin [M, D] bf16. Computed in fp32, rounded once.
 void rope_inplace_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,

@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", counted(&rms_norm_bf16), "RMSNorm", nogil);
   m.def("add_rms_norm_bf16", counted(&add_rms_norm_bf16), "residual add + RMSNorm", nogil);
   m.def("silu_mul_bf16", counted(&silu_mul_bf16), "SwiGLU activation", nogil);
+  m.def("gelu_mul_bf16", counted(&gelu_mul_bf16), "GELU-tanh gated activation (GeGLU)", nogil);
   m.def("rope_inplace_bf16", counted(&rope_inplace_bf16), "rotate-half RoPE, in place", nogil);
   m.def("decode_attention_bf16", counted(&decode_attention_bf16), "one query per row vs the KV cache", nogil);
   m.def("set_amx", &set_amx, "use AMX tiles in linear_packed_bf16 and linear_q8 where possible");
@@ -49,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>())
+      .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
+                          int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          std::vector<bool>, bool>())
       .def("forward",
            [](DecodeStack& self, torch::Tensor x, std::vector<torch::Tensor> keys,
               std::vector<torch::Tensor> values, c10::optional<std::vector<torch::Tensor>> biases,
@@ -56,6 +61,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               torch::Tensor cos, torch::Tensor sin) {
              kernel_calls.fetch_add(1, std::memory_order_relaxed);
              return self.forward(x, keys, values, biases, rows, slots, attend, cos, sin);
+           },
+           nogil)
+      .def("forward_windowed",
+           [](DecodeStack& self, torch::Tensor x, std::vector<torch::Tensor> keys,
+              std::vector<torch::Tensor> values, c10::optional<std::vector<torch::Tensor>> biases,
+              std::vector<int64_t> rows, std::vector<int64_t> slots, std::vector<int64_t> attend,
+              torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> ring_keys,
+              std::vector<torch::Tensor> ring_values, std::vector<int64_t> ring_slots,
+              torch::Tensor ring_bias, torch::Tensor ring_cos, torch::Tensor ring_sin) {
+             kernel_calls.fetch_add(1, std::memory_order_relaxed);
+             return self.forward_windowed(x, keys, values, biases, rows, slots, attend, cos, sin,
+                                          ring_keys, ring_values, ring_slots, ring_bias,
+                                          ring_cos, ring_sin);
            },
            nogil)
       .def("logits",

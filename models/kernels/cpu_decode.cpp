@@ -189,6 +189,34 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   return y;
 }
 
+// gu [M, 2I] (gate then up) -> gelu_tanh(gate) * up [M, I] (Gemma's GeGLU), in fp32, rounded
+// once: gelu_tanh(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), and
+// 1 + tanh(z) = 2 - 2 / (exp(2z) + 1), exact at both ends (exp_ps clamps, never overflows).
+torch::Tensor gelu_mul_bf16(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "contiguous [M, 2I]");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  auto y = torch::empty({M, I}, gu.options());
+  auto gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
+  auto yp = y.data_ptr<at::BFloat16>();
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  const __m512 c = _mm512_set1_ps(0.7978845608028654f), k = _mm512_set1_ps(0.044715f);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = gp + m * 2 * I;
+    const uint16_t* u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 mask = tail_mask(I - i);
+      const __m512 gv = load_bf16_masked(g + i, mask), uv = load_bf16_masked(u + i, mask);
+      const __m512 inner = _mm512_mul_ps(
+          c, _mm512_fmadd_ps(_mm512_mul_ps(k, gv), _mm512_mul_ps(gv, gv), gv));  // z
+      const __m512 e = exp_ps(_mm512_add_ps(inner, inner));                      // exp(2z)
+      const __m512 plus = _mm512_sub_ps(two, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+      const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), gv), plus);
+      store_bf16_masked(yp + m * I + i, _mm512_mul_ps(gelu, uv), mask);
+    }
+  }
+  return y;
+}
+
 // Rotate, in place, the first n_heads heads of each row of qkv [M, W] with "rotate half" RoPE;
 // cos/sin [M, D] bf16. Computed in fp32, rounded once.
 void rope_inplace_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
