@@ -13,6 +13,7 @@ from cpu_features import ISAS, kernel_build, skip_unless
 from engine.model_runner import ModelRunner
 from models import kernels
 from models.loading import load_model
+from models.quantize import quantize_q8_0
 
 BF16 = torch.bfloat16
 
@@ -521,3 +522,32 @@ def test_decode_attention_over_the_padding_of_uneven_budgets(dim):
         again = kernels.decode_attention(q, keys, values, lengths, 0.125, bias)
     assert fast.shape == (batch, heads * dim) and _rel(fast, ref) <= 2e-2
     assert torch.equal(again, fast)
+
+
+@pytest.mark.parametrize("kind", ["rows", "packed", "int8"])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(kind, amx):
+    """Every row count from 1 to 11 (one pass, several passes, chunks within tiles, a ragged
+    last chunk) gives each row the bits it gets alone: the sums run in one order per row,
+    whatever the batch (a greedy answer must not change with its neighbours). AMX tiles are
+    left out: a tile's bf16 dot products sum in their own order."""
+    if amx:
+        pytest.skip("AMX tiles sum in their own order")
+    gen = torch.Generator().manual_seed(11)
+    # Wide enough that another summation order (fp32 sums ~1e-4 apart) flips some outputs'
+    # bf16 rounding: ~10 of the 22K outputs, where one order flips none.
+    n, k = 128 * 16 + 5, 2048
+    x = torch.randn(11, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16)
+    ext = kernels._kernel
+    if kind == "rows":
+        product = lambda rows: ext.linear_bf16(rows, w, b)  # noqa: E731
+    elif kind == "packed":
+        packed = ext.pack_bf16(w)
+        product = lambda rows: ext.linear_packed_bf16(rows, packed, n, b)  # noqa: E731
+    else:
+        codes, scales = ext.pack_q8(*quantize_q8_0(w.float()))
+        product = lambda rows: ext.linear_q8(rows, codes, scales, n, b)  # noqa: E731
+    alone = torch.cat([product(x[i : i + 1].contiguous()) for i in range(11)])
+    for m in range(2, 12):
+        assert torch.equal(product(x[:m].contiguous()), alone[:m]), m

@@ -52,9 +52,10 @@ std::vector<float> widen_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t 
   return out;
 }
 
-// R outputs (weight rows) x M activation rows over all K; activations as `widen_pairs` gives
-// them, rows `ldx` apart. Up to 4 rows the even and odd k sum apart (twice the independent
-// FMA chains: at one row, four outputs' chains alone leave the FMA units waiting on latency).
+// R outputs (weight rows) x M <= 4 activation rows over all K; activations as `widen_pairs`
+// gives them, rows `ldx` apart. The even and odd k sum apart (twice the independent FMA
+// chains: at one row, four outputs' chains alone leave the FMA units waiting on latency), in
+// the same order whatever M and R: a row's output does not depend on the rows beside it.
 // A K that is not a multiple of 16 ends in scalar code (no model's is; it keeps the loop free
 // of anything that would send the accumulators to memory).
 template <int M, int R>
@@ -76,10 +77,7 @@ inline void row_block(const uint16_t* w, int64_t K, const float* x, int64_t ldx,
       const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
       for (int m = 0; m < M; ++m) {
         acc[m][r] = _mm256_fmadd_ps(we, xe[m], acc[m][r]);
-        if constexpr (M <= 4)
-          odd[m][r] = _mm256_fmadd_ps(wo, xo[m], odd[m][r]);
-        else
-          acc[m][r] = _mm256_fmadd_ps(wo, xo[m], acc[m][r]);
+        odd[m][r] = _mm256_fmadd_ps(wo, xo[m], odd[m][r]);
       }
     }
   }
@@ -127,7 +125,7 @@ inline int64_t padded8(int64_t k) { return (k + 7) / 8 * 8; }
 
 }  // namespace
 
-// x: [M, K] bf16 contiguous, M >= 1 (8 rows per pass); weight: [N, K] bf16 contiguous; bias: [N]
+// x: [M, K] bf16 contiguous, M >= 1 (4 rows per pass); weight: [N, K] bf16 contiguous; bias: [N]
 // or empty.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shape mismatch");
@@ -142,9 +140,17 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
       widen_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, ld);
   const uint16_t* b = bias_ptr(bias, N);
   auto out = y.data_ptr<at::BFloat16>();
-  in_row_passes(M, [&](int64_t m0, auto m) {
-    row_run<decltype(m)::value>(w, xf.data() + m0 * ld, ld, b, out + m0 * N, N, K);
-  });
+  // 4 rows a pass (their 2 x 4 accumulators fill the registers; more rows stream W again).
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = xf.data() + m0 * ld;
+    at::BFloat16* ym = out + m0 * N;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: row_run<1>(w, xm, ld, b, ym, N, K); break;
+      case 2: row_run<2>(w, xm, ld, b, ym, N, K); break;
+      case 3: row_run<3>(w, xm, ld, b, ym, N, K); break;
+      default: row_run<4>(w, xm, ld, b, ym, N, K); break;
+    }
+  }
   return y;
 }
 
