@@ -21,11 +21,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 
 WORKDIR /opt/cdlm-serve
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY engine ./engine
-COPY models ./models
-COPY train ./train
-COPY bench ./bench
+COPY cdlm_serve ./cdlm_serve
 RUN pip install .
 
 ENV CDLM_SERVE_HOME=/data \

@@ -21,7 +21,7 @@ import pytest
 import tiny_models
 
 if TYPE_CHECKING:
-    from server.state import ServerState
+    from cdlm_serve.server.state import ServerState
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, fetched and converted once (shared with the user's cache)."""
-    from models.fetch import ensure_model
+    from cdlm_serve.models.fetch import ensure_model
 
     return ensure_model()
 
@@ -109,8 +109,8 @@ def tiny_app_server(
     test reaches what the server holds (a session's lock, its settings)."""
     import torch
 
-    from server.app import create_app
-    from server.state import ModelSpec, ServerSettings
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ModelSpec, ServerSettings
 
     config = ServerSettings(
         [ModelSpec("tiny", str(model_dir))],
@@ -155,7 +155,7 @@ def _listing(folder: Path) -> list[str]:
 @pytest.fixture(scope="session", autouse=True)
 def users_sessions_untouched():
     """No test writes into the user's real session store (servers get a temporary one)."""
-    from models.fetch import serve_home
+    from cdlm_serve.models.fetch import serve_home
 
     real = serve_home() / "sessions"
     before = _listing(real)
@@ -209,7 +209,7 @@ def server_process(
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cdlm_serve.server.cli",
         "serve",
         "--host",
         "127.0.0.1",

@@ -70,7 +70,7 @@ def kernel_build(isa: str) -> Iterator[None]:
     """Inside: models.kernels runs `isa`'s build (forced as CDLM_SERVE_CPU_ISA does), or the
     calling test skips (fails with CDLM_REQUIRE_CPU_KERNELS=1 where the CPU has the feature).
     After: the build this CPU picks by itself again."""
-    from models import kernels
+    from cdlm_serve.models import kernels
 
     skip_unless(FEATURE[isa], kernels.cpu_has(isa), f"the fused CPU kernels ({isa})")
     saved = os.environ.get(kernels.ISA_ENV)

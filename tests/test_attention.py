@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tiny_models
+from cdlm_serve.models.attention import AttentionPattern
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.models.transformer import new_capture
 from cpu_features import ISAS, kernel_build
-from models.attention import AttentionPattern
-from models.loading import load_model
-from models.transformer import new_capture
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_long_masked_attention_runs_in_bounded_chunks(llama_pair, monkeypatch, b
     mask or score matrix over all [B, H, Q, K] at once, and computes the same thing."""
     import torch.nn.functional as F
 
-    from models import flash_continuation, layers
+    from cdlm_serve.models import flash_continuation, layers
 
     monkeypatch.setattr(flash_continuation, "_FLASH", None)  # the masked path (GPUs, etc.)
     _, model = llama_pair
@@ -262,7 +262,7 @@ def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path
     """New tokens after a cache (causal among themselves, every cached slot visible, with its
     bias) attend through the CPU flash kernel in parts merged by log-sum-exp: the same result
     as the masked SDPA path, whole or in paused query chunks, and no [Q, K] mask is built."""
-    from models import flash_continuation, layers
+    from cdlm_serve.models import flash_continuation, layers
 
     _, model = llama_pair
     model = model.to(dtype)
@@ -291,7 +291,7 @@ def test_a_cache_continuation_on_a_cpu_runs_flash_parts_equal_to_the_masked_path
 
 
 def test_staged_forward_equals_forward_in_many_small_pieces(llama_pair, monkeypatch):
-    from models import layers
+    from cdlm_serve.models import layers
 
     _, model = llama_pair
     ids = _ids(40)
@@ -321,7 +321,7 @@ def test_a_staged_pass_without_a_cache_reads_only_the_keys_up_to_each_chunk(
     """A causal pass of its own (a compaction's context pass) in paused query chunks goes
     through the CPU flash parts, each chunk over the keys before it and itself (no mask over
     all keys), and equals the plain forward."""
-    from models import flash_continuation, layers
+    from cdlm_serve.models import flash_continuation, layers
 
     _, model = llama_pair
     ids = _ids(40)
@@ -353,7 +353,7 @@ def test_band_visibility_is_what_it_says():
     """A new token of block b sees the sinks, the cached slots within the window of its
     block's aligned slots, the lead, the window of new tokens before its block and its block's
     tokens up to itself: nothing else. Its key ranges say the same."""
-    from models.attention import Band
+    from cdlm_serve.models.attention import Band
 
     band = Band(window=2, offset=-3, lead=3, sinks=1, rows=4)
     cached, q_len = 12, 10
@@ -383,8 +383,8 @@ def test_a_banded_continuation_on_a_cpu_equals_the_masked_path_with_the_band(
     several; the band changes the result, and a band wider than everything changes nothing."""
     from dataclasses import replace
 
-    from models import flash_continuation, layers
-    from models.attention import Band
+    from cdlm_serve.models import flash_continuation, layers
+    from cdlm_serve.models.attention import Band
 
     _, model = llama_pair
     real = flash_continuation._FLASH
@@ -422,7 +422,7 @@ def test_cached_tokens_read_again_get_the_queries_and_states_they_had_at_prefill
     chunks of a few rows, some of which see nothing past the first one's slot) and on the
     masked path alike, and the cache is left as it was. Seeing every cached slot, they would
     not."""
-    from models import flash_continuation, layers
+    from cdlm_serve.models import flash_continuation, layers
 
     _, model = llama_pair
     ids = _ids(40)
@@ -485,9 +485,9 @@ def test_the_packed_attention_kernel_equals_the_softmax_over_what_each_row_sees(
     continuation, plain, banded (rows inside and across the band's blocks) and re-read, with
     a biased cache whose padding slots carry -inf: each row the fp32 softmax over exactly the
     keys it may see, within bf16's rounding, and as close to it as the flash parts are."""
-    from models import flash_continuation as fc
-    from models import kernels
-    from models.attention import Band
+    from cdlm_serve.models import flash_continuation as fc
+    from cdlm_serve.models import kernels
+    from cdlm_serve.models.attention import Band
 
     gen = torch.Generator().manual_seed(head_dim)
     cached, new, heads, kv = 150, 45, 6, 2
@@ -548,8 +548,8 @@ def test_a_repeat_pass_through_the_packed_kernel_gives_the_flash_parts_queries(
     """A bf16 model (head_dim 32) continuing its cache, banded and plain, and re-reading
     cached tokens: every layer's queries and the final states through the fused kernel equal
     the flash parts' within bf16's rounding."""
-    from models import kernels
-    from models.attention import Band
+    from cdlm_serve.models import kernels
+    from cdlm_serve.models.attention import Band
 
     tiny_models.hf_tiny("llama", tmp_path, num_attention_heads=2, num_key_value_heads=1)
     model, _ = load_model(tmp_path, dtype=torch.bfloat16)

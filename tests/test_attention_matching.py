@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.attention_matching import (
+from cdlm_serve.engine.attention_matching import (
     HIGHEST_AGGREGATE,
     METHODS,
     HeadInputs,
@@ -22,7 +22,7 @@ from engine.attention_matching import (
     summary,
     targets,
 )
-from engine.nnls import _reduced, gram_nnls, nonnegative_weights, pivoting_nnls
+from cdlm_serve.engine.nnls import _reduced, gram_nnls, nonnegative_weights, pivoting_nnls
 from tolerances import assert_reordered_close
 
 
@@ -246,9 +246,9 @@ def test_beta_weights_equal_scipys_on_columns_of_very_different_scales(monkeypat
     unscaled = gram_nnls(a.T @ a, a.T @ m)
     assert float(torch.linalg.norm(a @ unscaled - m)) > best * (1 + 1e-6)
 
-    import engine.nnls
+    from cdlm_serve.engine import nnls
 
-    monkeypatch.setattr(engine.nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
+    monkeypatch.setattr(nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
     fallback = nonnegative_weights(a.float(), m.float()).double()
     reduced = _reduced(a32, m32, a32.T @ a32, a32.T @ m32)  # what SciPy is handed then
     assert torch.equal(fallback.float(), _scipy_nnls(*reduced).float())

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.testing import assert_close as close
 
+from cdlm_serve.engine import session_files
+from cdlm_serve.engine.auto_compaction import AutoCompact
 from conftest import tiny_session_server
-from engine import session_files
-from engine.auto_compaction import AutoCompact
 
 CPU = torch.device("cpu")
 
@@ -246,8 +246,8 @@ def test_the_online_bench_feeds_and_compacts_by_the_same_policy(tiny_llama_dir):
     import argparse
 
     import tiny_models
-    from bench.online_compaction import feed
-    from models.loading import load_model
+    from cdlm_serve.bench.online_compaction import feed
+    from cdlm_serve.models.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)
     ids = [i % 200 for i in range(300)]
@@ -287,10 +287,10 @@ def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
     `AutoCompact.longest` caps that head at half the room, so the bound holds."""
     import argparse
 
-    import bench.online_compaction as online
+    import cdlm_serve.bench.online_compaction as online
     import tiny_models
-    from engine.compaction_budgets import bounds, from_schedule
-    from models.loading import load_model
+    from cdlm_serve.engine.compaction_budgets import bounds, from_schedule
+    from cdlm_serve.models.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)
     cfg = model.config
@@ -321,9 +321,9 @@ def test_the_online_bench_measures_its_curve_after_each_compaction(tiny_llama_di
     import argparse
 
     import tiny_models
-    from bench.facts import Probe, answer_nll
-    from bench.online_compaction import _Curve, feed
-    from models.loading import load_model
+    from cdlm_serve.bench.facts import Probe, answer_nll
+    from cdlm_serve.bench.online_compaction import _Curve, feed
+    from cdlm_serve.models.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)
     tok = tiny_models.byte_tokenizer()
@@ -355,7 +355,7 @@ def test_the_online_bench_measures_its_curve_after_each_compaction(tiny_llama_di
     assert any(p["kept"] != 1.0 for p in points)
     # Facts kept by quarter of the context: the earliest quarter's facts as the full cache
     # knows them, the others as if there were no context.
-    from bench.online_compaction import _by_depth
+    from cdlm_serve.bench.online_compaction import _by_depth
 
     none8 = {i: 5.0 for i in range(8)}
     full8 = {i: 1.0 for i in range(8)}
@@ -371,9 +371,9 @@ def test_the_ceiling_bench_knows_which_token_each_slot_holds(tiny_llama_dir):
     import argparse
 
     import tiny_models
-    from bench import compaction_ceiling as ceiling
-    from bench.online_compaction import feed
-    from models.loading import load_model
+    from cdlm_serve.bench import compaction_ceiling as ceiling
+    from cdlm_serve.bench.online_compaction import feed
+    from cdlm_serve.models.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)
     tok = tiny_models.byte_tokenizer()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 import tiny_models
-from bench.compaction import Spec, _parts, mixed_cache
-from engine.kv_compaction import compact_row
-from models.loading import load_model
+from cdlm_serve.bench.compaction import Spec, _parts, mixed_cache
+from cdlm_serve.engine.kv_compaction import compact_row
+from cdlm_serve.models.loading import load_model
 
 
 @torch.no_grad()
@@ -69,8 +69,8 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
     """bench/head_budgets.py's influence cache: the uniform segment padded to 2t decodes like
     the compacted cache itself, swapping one head's segment writes that head alone (in every
     row), and the batched facts NLL is the mean of each question's own."""
-    from bench.facts import answer_nll
-    from bench.head_budgets import facts_nll, put_head, segments, swapped_cache
+    from cdlm_serve.bench.facts import answer_nll
+    from cdlm_serve.bench.head_budgets import facts_nll, put_head, segments, swapped_cache
 
     context = [(5 * i) % 190 + 7 for i in range(120)]
     keep_recent, target = 8, 12
@@ -109,7 +109,7 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
 
 
 def test_the_schedule_solver_spends_the_total_where_the_loss_falls_fastest():
-    from bench.head_budgets import solve
+    from cdlm_serve.bench.head_budgets import solve
 
     # Loss changes from t at t/2, 2t, 4t, 8t. Head 0 loses much at t/2 and gains much at 2t,
     # no more after; head 1 neither; head 2 gains from 2t only a little, and head 3's loss rises
@@ -141,8 +141,8 @@ def test_a_solved_schedule_gives_back_its_slots_at_its_ratio_and_scales_at_other
     slots at the target it was solved for, half of them (within rounding) at half of it."""
     import random
 
-    from bench.head_budgets import shares_of, solve
-    from engine.compaction_budgets import from_schedule
+    from cdlm_serve.bench.head_budgets import shares_of, solve
+    from cdlm_serve.engine.compaction_budgets import from_schedule
 
     rng = random.Random(1)
     for _ in range(50):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import tiny_models
-from bench import cdlm_suites
-from engine.dlm_engine import DLMEngine
-from models.loading import load_model
+from cdlm_serve.bench import cdlm_suites
+from cdlm_serve.engine.dlm_engine import DLMEngine
+from cdlm_serve.models.loading import load_model
 
 
 def test_text_runs_give_every_decoder_the_same_answer_length(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from bench import mixed
+from cdlm_serve.bench import mixed
 
 
 def test_each_kind_of_client_sends_its_own_model(monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from bench import soak
-from bench.mixed import RssSampler
+from cdlm_serve.bench import soak
+from cdlm_serve.bench.mixed import RssSampler
 
 METRICS = """\
 # TYPE process_resident_memory_bytes gauge

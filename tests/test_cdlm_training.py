@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from models.attention import AttentionPattern
-from models.loading import load_model
-from train import student as st
-from train import trajectories as tj
-from train.data import KINDS, task_batch
-from train.tasks import TASKS
-from train.teacher import TeacherConfig, export_model, new_model
-from train.tokenizer import MASK_ID
+from cdlm_serve.models.attention import AttentionPattern
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.train import student as st
+from cdlm_serve.train import trajectories as tj
+from cdlm_serve.train.data import KINDS, task_batch
+from cdlm_serve.train.tasks import TASKS
+from cdlm_serve.train.teacher import TeacherConfig, export_model, new_model
+from cdlm_serve.train.tokenizer import MASK_ID
 
 BLOCK = 8
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server import cli
+from cdlm_serve.server import cli
 
 
 def test_every_flag_names_its_environment_variable_in_its_group(capsys):
@@ -68,7 +68,7 @@ def test_a_responses_ttl_must_be_a_finite_number_of_hours(hours):
 def test_a_cpu_isa_this_cpu_cannot_run_is_refused_at_start_up(monkeypatch):
     """--cpu-isa names a kernel build; one this CPU lacks (AVX512 on an AVX2 machine, or any
     where the kernels cannot run) stops the server with a clear message before it loads."""
-    from models import kernels
+    from cdlm_serve.models import kernels
 
     missing = [isa for isa in ("avx512", "avx2") if not kernels.cpu_has(isa)]
     if not missing:
@@ -87,7 +87,7 @@ def test_the_dtype_follows_the_kernels_this_cpu_runs(monkeypatch):
     (as CDLM_SERVE_CPU_KERNELS=0 makes it here), and the start-up log says why."""
     import torch
 
-    from models import kernels
+    from cdlm_serve.models import kernels
 
     cpu = torch.device("cpu")
     if kernels.cpu_isa() is not None:

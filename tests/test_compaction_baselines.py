@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import compaction_baselines as baselines
-from engine.attention_matching import HeadInputs, compact_head
-from models.rope import apply_rotary
+from cdlm_serve.engine import compaction_baselines as baselines
+from cdlm_serve.engine.attention_matching import HeadInputs, compact_head
+from cdlm_serve.models.rope import apply_rotary
 
 
 def _context_head(total: int = 64, dim: int = 16, seed: int = 0) -> HeadInputs:
@@ -76,7 +76,7 @@ def test_expected_attention_scores_are_the_gaussian_expectation():
 def test_future_statistics_undo_rope_and_apply_the_average_future_rotation():
     """Queries that are one vector q0 rotated to their positions have mean q0 and no spread
     before RoPE; the statistics carried to the future are q0 rotated by the mean rotation."""
-    from models.rope import RotaryTable, inverse_frequencies
+    from cdlm_serve.models.rope import RotaryTable, inverse_frequencies
 
     dim, n = 16, 50
     table = RotaryTable(

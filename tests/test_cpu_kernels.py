@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tiny_models
+from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.models import kernels
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.models.quantize import quantize_q8_0
 from cpu_features import ISAS, kernel_build, skip_unless
-from engine.model_runner import ModelRunner
-from models import kernels
-from models.loading import load_model
-from models.quantize import quantize_q8_0
 
 BF16 = torch.bfloat16
 
@@ -442,11 +442,11 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
     row's blocks bidirectional within themselves, block-causal to the committed slots),
     fast_dllm (the block and every later position bidirectional over the refreshed prefix
     cache) and vanilla (the whole sequence through a scratch cache)."""
-    from engine.dlm_engine import DLMEngine, DLMParams
-    from models.sources import resolve
-    from train.data import KINDS
-    from train.tasks import TASKS, exact_match
-    from train.tokenizer import byte_tokenizer
+    from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+    from cdlm_serve.models.sources import resolve
+    from cdlm_serve.train.data import KINDS
+    from cdlm_serve.train.tasks import TASKS, exact_match
+    from cdlm_serve.train.tokenizer import byte_tokenizer
 
     model = load_model(resolve(shipped), dtype=BF16)[0]
     problems = TASKS["trace4"].held_out()[:8]

@@ -162,7 +162,7 @@ def _start(
     model_dir: Path, store: Path, log: Path, hook: Path, audit: Path
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "cdlm_serve.server.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "warning", "--model", f"tiny={model_dir}"]
     cmd += ["--device", "cpu", "--dtype", "float32", "--sessions-dir", str(store)]
     cmd += ["--session-memory-mb", "1"]  # spill to disk all the time, too

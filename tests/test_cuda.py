@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from engine.ar_engine import AREngine
-from engine.dlm_engine import DLMEngine, DLMParams
-from engine.kv_compaction import compact_row
-from engine.sampling import SamplingParams
-from models.loading import load_model
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.kv_compaction import compact_row
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.models.loading import load_model
 from test_dlm_reference import CASES, _params, _reference_steps
 
 pytestmark = [

@@ -12,13 +12,13 @@ import torch
 from torch import Tensor
 
 import tiny_models
+from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.dlm_modes import MODES, DecodeContext, DecodingMode, register, unregister
+from cdlm_serve.engine.dlm_modes.base import padded_tokens
+from cdlm_serve.engine.dlm_sequence import BlockPass, DLMSequence
+from cdlm_serve.models.attention import AttentionPattern
+from cdlm_serve.models.loading import load_model
 from conftest import app_in_thread
-from engine.dlm_engine import DLMEngine, DLMParams
-from engine.dlm_modes import MODES, DecodeContext, DecodingMode, register, unregister
-from engine.dlm_modes.base import padded_tokens
-from engine.dlm_sequence import BlockPass, DLMSequence
-from models.attention import AttentionPattern
-from models.loading import load_model
 
 
 @dataclass(slots=True)
@@ -99,8 +99,8 @@ def test_an_unregistered_mode_is_refused(llada_dir):
 
 
 def test_a_registered_mode_is_served_over_http(one_pass, llada_dir, tmp_path):
-    from server.app import create_app
-    from server.state import ModelSpec, ServerSettings
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ModelSpec, ServerSettings
 
     settings = ServerSettings(
         [ModelSpec("dlm", str(llada_dir))],

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import tiny_models
-from engine.dlm_engine import DLMEngine, DLMParams
-from engine.unmasking import DREAM_ALGS, LLADA_REMASKING
-from models.attention import AttentionPattern
-from models.loading import load_model
+from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.unmasking import DREAM_ALGS, LLADA_REMASKING
+from cdlm_serve.models.attention import AttentionPattern
+from cdlm_serve.models.loading import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dlm_reference"
 GOLDEN = json.loads((FIXTURES / "cases.json").read_text())

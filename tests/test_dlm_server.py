@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 import tiny_models
+from cdlm_serve.engine.text_output import TextAssembler
 from conftest import running_server
-from engine.text_output import TextAssembler
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import tiny_models
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.sampling import SamplingParams, _top_p_filter, sample, tempered_softmax
+from cdlm_serve.engine.text_output import TextAssembler
+from cdlm_serve.models.loading import load_model
 from conftest import outputs_by_request
-from engine.ar_engine import AREngine
-from engine.sampling import SamplingParams, _top_p_filter, sample, tempered_softmax
-from engine.text_output import TextAssembler
-from models.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +204,9 @@ def test_logprobs_are_log_softmax_of_the_logits(setup):
 def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
     """After a compacted session's request, later steps carry no per-key biases (every step
     would pay for them), and an idle engine gives back a cache grown for a long prompt."""
-    from engine import model_work
-    from engine.kv_compaction import compact_row
-    from engine.session import Session
+    from cdlm_serve.engine import model_work
+    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.session import Session
 
     _, engine, tok = setup
     model = engine.model
@@ -274,7 +274,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(setup):
 def test_a_growing_cache_keeps_its_slots_and_zeroes_the_new_ones(dtype):
     """ensure_capacity doubles every layer's keys, values and biases: the old slots as they
     were, the new ones zero, each buffer contiguous as attention expects."""
-    from models.kv_cache import KVCache
+    from cdlm_serve.models.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(0)
     cache = KVCache.allocate(2, 2, 3, 8, 5, "cpu", dtype)
@@ -295,10 +295,10 @@ def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_
     that takes the row next must get RoPE positions from 0, not from the old row's offset
     (which RoPE's relative scores hide from its answer, but not from a session written back
     or the prefix cache, which refused the row: a 400 on the server)."""
-    from engine import model_work
-    from engine.kv_compaction import compact_row
-    from engine.prefix_cache import PrefixCache
-    from engine.session import Session
+    from cdlm_serve.engine import model_work
+    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.prefix_cache import PrefixCache
+    from cdlm_serve.engine.session import Session
 
     _, plain, tok = setup
     model = plain.model

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine import core_share
-from engine.core_share import CoreShare
-from engine.engine_thread import EngineThread
+from cdlm_serve.engine import core_share
+from cdlm_serve.engine.core_share import CoreShare
+from cdlm_serve.engine.engine_thread import EngineThread
 
 
 @dataclass
@@ -215,7 +215,7 @@ def test_with_two_cores_or_more_each_busy_engines_take_turns_on_the_wide_thread(
 
 
 def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
-    from server.compaction_thread import Compactions
+    from cdlm_serve.server.compaction_thread import Compactions
 
     cores = CoreShare(2)
     engine = WhereEngine(0.05)
@@ -306,8 +306,8 @@ def test_the_wide_thread_keeps_every_core_after_fused_steps_beside_another_openm
     resets a thread's count to the process default (one, under a share) at its first parallel
     op there, and the share puts it back before each piece. With another libgomp listed first
     it put back the wrong runtime's, so every piece after the first ran on one core."""
+    from cdlm_serve.models import kernels
     from cpu_features import skip_unless
-    from models import kernels
 
     skip_unless("avx2", kernels.enable_cpu_kernels(), "the fused CPU kernels")
     decoy = tmp_path / "libgomp-decoy.so.1"

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny_models
-from models.config import ConfigError, ModelConfig
-from models.loading import load_model
-from models.weights import to_checkpoint
+from cdlm_serve.models.config import ConfigError, ModelConfig
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.models.weights import to_checkpoint
 
 # The real releases' config.json files (values as published).
 DREAM_7B = {
@@ -387,16 +387,16 @@ def test_a_q8_0_ggufs_codes_are_kept_as_stored_and_served_as_int8(tmp_path):
     the bf16 copy rounded them."""
     from gguf import GGUFReader
 
-    from models import gguf as gguf_file
-    from models import kernels
-    from models.quantize import (
+    from cdlm_serve.models import gguf as gguf_file
+    from cdlm_serve.models import kernels
+    from cdlm_serve.models.quantize import (
         dequantize_q8_0,
         quantize_model,
         quantize_q8_0,
         quantized_modules,
         serving_quantization,
     )
-    from models.weights import native_q8
+    from cdlm_serve.models.weights import native_q8
 
     hf = tiny_models.hf_tiny("llama", tmp_path / "hf", intermediate_size=128)
     _write_gguf(tmp_path / "m.gguf", hf, quantize_ffn=False, quantize_all=True)

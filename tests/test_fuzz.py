@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cdlm_serve.engine.session import SESSION_ID, SessionError
+from cdlm_serve.engine.session_store import SessionStore
 from conftest import running_server, tree_snapshot
-from engine.session import SESSION_ID, SessionError
-from engine.session_store import SessionStore
 
 ODD_TEXT = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",))

@@ -9,11 +9,11 @@ import httpx
 import pytest
 import torch
 
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.models.fetch import GEMMA3_270M, ensure_model
+from cdlm_serve.models.loading import load_model
 from conftest import running_server
-from engine.ar_engine import AREngine
-from engine.sampling import SamplingParams
-from models.fetch import GEMMA3_270M, ensure_model
-from models.loading import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +90,6 @@ def test_served_with_bos_and_window_sized_session_caches(gemma_dir):
         info = r.json()
         n = info["physical_tokens"]
         assert n > 1500
-        from engine.model_work import PREFILL_HEADROOM
+        from cdlm_serve.engine.model_work import PREFILL_HEADROOM
 
         assert info["bytes"] == 3 * (n + PREFILL_HEADROOM) * per_slot + 15 * 512 * per_slot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import gpu_check
+from cdlm_serve.bench import gpu_check
 
 
 def test_gpu_check_dry_run_fills_every_row(tmp_path):

@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import heap
-from engine.session_store import SessionStore
-from server.metrics import Metrics
-from server.state import ServerSettings, ServerState
+from cdlm_serve.engine import heap
+from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.server.metrics import Metrics
+from cdlm_serve.server.state import ServerSettings, ServerState
 
 
 class FakeLibc:
@@ -141,9 +141,9 @@ def test_an_idle_ar_engine_reports_the_batch_cache_it_drops(tmp_path, monkeypatc
     """The grown batch cache of a long prompt is released once idle, and said to be freed
     (with its size), so the trimmer gives the memory back."""
     import tiny_models
-    from engine.ar_engine import AREngine
-    from engine.sampling import SamplingParams
-    from models.loading import load_model
+    from cdlm_serve.engine.ar_engine import AREngine
+    from cdlm_serve.engine.sampling import SamplingParams
+    from cdlm_serve.models.loading import load_model
 
     tiny_models.hf_tiny("llama", tmp_path)
     model, _ = load_model(tmp_path)
@@ -178,9 +178,9 @@ def trimmed_server(tiny_llama_dir, tmp_path):
     """An in-process server of the tiny model whose trimmer trims only when woken (no periodic
     trim within the test), with a stand-in libc that says when malloc_trim was called; yields
     (its URL, the trimmer, the server's state): in-process, a test sees what the server holds."""
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ModelSpec
     from conftest import app_in_thread
-    from server.app import create_app
-    from server.state import ModelSpec
 
     settings = ServerSettings(
         [ModelSpec("tiny", str(tiny_llama_dir))],
@@ -254,7 +254,7 @@ def test_nothing_holds_a_compactions_caches_once_the_session_is_deleted(trimmed_
     share's wide thread, stayed referenced by that thread until its next piece, minutes under
     load, and through it the compaction's fit and its caches outlived the session: ~80 MB on
     SmolLM2 at 1.5K tokens)."""
-    from models.kv_cache import KVCache
+    from cdlm_serve.models.kv_cache import KVCache
 
     base, _, state = trimmed_server
     r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "d", "prompt": CONTEXT})

@@ -23,11 +23,14 @@ KNOWN_CIRCLES: set[tuple[str, ...]] = set()  # issue 37 removed the last two
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
+ROOT = REPO / "cdlm_serve"  # the one package; modules are named below it (engine.x, server.y)
+
+
 def _modules() -> dict[str, Path]:
     out = {}
     for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            parts = path.relative_to(REPO).with_suffix("").parts
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             out[name] = path
     return out
@@ -40,6 +43,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     found: set[str] = set()
 
     def add(target: str) -> None:
+        target = target.removeprefix("cdlm_serve.")
         while target and target not in known:
             target = target.rpartition(".")[0]
         if target and target != name:

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 import tiny_models
-from cpu_features import ISAS, kernel_build, skip_unless
-from engine.model_runner import ModelRunner
-from models import kernels
-from models.loading import load_model
-from models.quantize import (
+from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.models import kernels
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.models.quantize import (
     dequantize_q8_0,
     q8_linear_reference,
     quantize_model,
     quantize_q8_0,
 )
+from cpu_features import ISAS, kernel_build, skip_unless
 
 BF16 = torch.bfloat16
 
@@ -172,9 +172,9 @@ def test_the_server_serves_int8_weights(built, tmp_path):
     bf16 weights."""
     import httpx
 
+    from cdlm_serve.engine.ar_engine import AREngine
+    from cdlm_serve.engine.sampling import SamplingParams
     from conftest import running_server
-    from engine.ar_engine import AREngine
-    from engine.sampling import SamplingParams
 
     tiny_models.kernel_llama(tmp_path)
     prompt = [72, 101, 108, 108, 111]

@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.metrics import PREFIX, Metrics
+from cdlm_serve.server.metrics import PREFIX, Metrics
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.37"  # the Kubernetes release whose API the manifests are checked against

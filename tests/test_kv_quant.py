@@ -8,11 +8,11 @@ import httpx
 import pytest
 import torch
 
+from cdlm_serve.engine import session_files
+from cdlm_serve.engine.kv_quant import LEVELS, quantize_prefix
+from cdlm_serve.engine.packed_cache import PackedCache
+from cdlm_serve.models.kv_cache import KVCache
 from conftest import tiny_session_server
-from engine import session_files
-from engine.kv_quant import LEVELS, quantize_prefix
-from engine.packed_cache import PackedCache
-from models.kv_cache import KVCache
 
 
 def _cache(length: int = 40, seed: int = 0, dtype: torch.dtype = torch.float32) -> KVCache:
@@ -105,7 +105,7 @@ def test_a_quantized_segment_goes_to_disk_as_codes_and_comes_back_alike(tmp_path
 
 
 def restore_prefix(cache: KVCache, codes) -> None:
-    from engine.kv_quant import restore
+    from cdlm_serve.engine.kv_quant import restore
 
     restore(cache, codes)
 

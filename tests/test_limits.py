@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 import tiny_models
-from engine import limits
-from engine.ar_engine import AREngine
-from engine.sampling import SamplingParams
-from models.loading import load_model
+from cdlm_serve.engine import limits
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.models.loading import load_model
 
 
 def test_an_ar_request_past_the_context_is_refused_or_clamped():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tiny_models
-from engine import model_work
-from models.loading import load_model
+from cdlm_serve.engine import model_work
+from cdlm_serve.models.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiny_models
-from models.loading import load_model
+from cdlm_serve.models.loading import load_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

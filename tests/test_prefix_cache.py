@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tiny_models
-from engine.ar_engine import AREngine
-from engine.prefix_cache import PrefixCache, block_hashes
-from engine.sampling import SamplingParams
-from models.kv_cache import KVCache
-from models.loading import load_model
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.prefix_cache import PrefixCache, block_hashes
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.models.kv_cache import KVCache
+from cdlm_serve.models.loading import load_model
 from tolerances import tolerance
 
 

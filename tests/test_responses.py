@@ -294,8 +294,8 @@ def test_an_expired_response_still_in_use_is_removed_once_free(tiny_llama_dir, t
 
     from openai import NotFoundError, OpenAI
 
+    from cdlm_serve.server import response_retention
     from conftest import tiny_app_server
-    from server import response_retention
 
     ttl = 3600.0  # the sweep runs every 60 s: never within this test, which calls it itself
     with tiny_app_server(tiny_llama_dir, tmp_path, responses_ttl=ttl) as (url, state):
@@ -346,8 +346,8 @@ def test_a_new_turn_is_the_real_template_s_rest_of_the_conversation(smollm2_dir,
     the whole conversation's template, token for token."""
     from types import SimpleNamespace
 
-    from engine.served_model import load_tokenizer
-    from server.response_input import Turn, continuation_ids, first_prompt
+    from cdlm_serve.engine.served_model import load_tokenizer
+    from cdlm_serve.server.response_input import Turn, continuation_ids, first_prompt
 
     tok = load_tokenizer(smollm2_dir)
     served = SimpleNamespace(
@@ -411,7 +411,7 @@ def test_a_cut_answer_s_last_token_is_kept_even_where_it_looks_like_the_turn_s_e
     cut at max_output_tokens on a newline keeps it, and the template's own newline follows."""
     from types import SimpleNamespace
 
-    from server.response_input import Turn, continuation_ids
+    from cdlm_serve.server.response_input import Turn, continuation_ids
     from tiny_models import EOS_ID, byte_tokenizer
 
     tok = byte_tokenizer()
@@ -468,7 +468,7 @@ def test_a_responses_input_items_are_listed_as_the_sdk_reads_them(client, base, 
 def test_has_more_says_whether_items_follow_the_page():
     """`items_page` (input_items' paging): a page that ends exactly at the last item has no
     more, one that ends a single item before it has, in either order, after an item or not."""
-    from server.response_input import items_page
+    from cdlm_serve.server.response_input import items_page
 
     items = [{"id": f"msg_{i}"} for i in range(4)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.interface import EngineOutput
-from engine.scheduler import Scheduler
+from cdlm_serve.engine.interface import EngineOutput
+from cdlm_serve.engine.scheduler import Scheduler
 
 
 @dataclass(eq=False)

@@ -77,8 +77,8 @@ def test_bad_session_ids_are_refused_everywhere(base, home, sid):
 def test_store_refuses_paths_outside_its_root(tmp_path):
     """Defence in depth below the HTTP layer: ids are checked again, and a folder that resolves
     elsewhere (a planted symlink) is never read, written or deleted."""
-    from engine.session import SessionError
-    from engine.session_store import SessionStore
+    from cdlm_serve.engine.session import SessionError
+    from cdlm_serve.engine.session_store import SessionStore
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -211,7 +211,14 @@ def test_every_v1_route_needs_the_key(tiny_llama_dir):
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_an_empty_api_key_is_a_startup_error(tiny_llama_dir, how):
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", f"tiny={tiny_llama_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cdlm_serve.server.cli",
+        "serve",
+        "--model",
+        f"tiny={tiny_llama_dir}",
+    ]
     env = dict(os.environ)
     if how == "flag":
         cmd += ["--api-key", ""]

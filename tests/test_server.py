@@ -155,8 +155,8 @@ def test_openai_client(base):
 
 
 def test_health_is_503_while_models_load(tmp_path):
-    from server.app import create_app
-    from server.state import ModelSpec, ServerSettings
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ModelSpec, ServerSettings
 
     release = threading.Event()
 
@@ -184,8 +184,8 @@ def test_app_in_thread_fails_when_health_never_answers_200(tmp_path):
     """conftest's app_in_thread hands out a URL only once /health answers 200: a server that
     never gets there fails in the helper, with what /health said (not in the test's first
     request, with a 503 that says nothing of why)."""
-    from server.app import create_app
-    from server.state import ModelSpec, ServerSettings
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ModelSpec, ServerSettings
 
     never = threading.Event()
     settings = ServerSettings(

@@ -296,7 +296,7 @@ def test_http_requests_are_counted_by_route_template_and_status(base):
 def test_a_request_that_fails_inside_the_app_is_counted_as_a_500():
     """The 5xx alert reads http_requests_total: an exception that escapes the routes (answered
     500 by the outermost error handler) must be counted too."""
-    from server.request_context import RequestContext
+    from cdlm_serve.server.request_context import RequestContext
 
     async def broken(scope, receive, send):
         raise RuntimeError("a bug")

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import session_files
-from engine.session import Session
-from engine.session_files import MAX_SEGMENTS, CorruptSession, Version, read_cache, recover
-from engine.session_store import SessionStore
-from models.kv_cache import KVCache
+from cdlm_serve.engine import session_files
+from cdlm_serve.engine.session import Session
+from cdlm_serve.engine.session_files import (
+    MAX_SEGMENTS,
+    CorruptSession,
+    Version,
+    read_cache,
+    recover,
+)
+from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.models.kv_cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 8
 

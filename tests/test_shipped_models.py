@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
+from cdlm_serve.train.data import KINDS
+from cdlm_serve.train.tasks import TASKS, exact_match
 from conftest import running_server
-from train.data import KINDS
-from train.tasks import TASKS, exact_match
 
 
 def test_shipped_teacher_solves_held_out_addition_through_the_server():

@@ -16,13 +16,13 @@ import httpx
 import pytest
 import torch
 
+from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.train.data import KINDS
+from cdlm_serve.train.tasks import TASKS, exact_match
 from conftest import REPO
-from engine.ar_engine import AREngine
-from engine.sampling import SamplingParams
-from models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
-from models.loading import load_model
-from train.data import KINDS
-from train.tasks import TASKS, exact_match
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_interrupted_fetch_leaves_no_model_and_recovers(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "CDLM_SERVE_HOME": str(home)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "fetch"],
+        [sys.executable, "-m", "cdlm_serve.server.cli", "fetch"],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

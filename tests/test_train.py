@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from models.attention import AttentionPattern
-from models.loading import load_model
-from train import austen
-from train.data import KINDS, Mixture, held_out_prose, task_batch
-from train.tasks import TASKS, Addition, Trace
-from train.teacher import TeacherConfig, export_model, masked_diffusion_loss, new_model
-from train.tokenizer import EOS_ID, MASK_ID
+from cdlm_serve.models.attention import AttentionPattern
+from cdlm_serve.models.loading import load_model
+from cdlm_serve.train import austen
+from cdlm_serve.train.data import KINDS, Mixture, held_out_prose, task_batch
+from cdlm_serve.train.tasks import TASKS, Addition, Trace
+from cdlm_serve.train.teacher import TeacherConfig, export_model, masked_diffusion_loss, new_model
+from cdlm_serve.train.tokenizer import EOS_ID, MASK_ID
 
 
 def test_addition_chain_of_thought_is_correct():

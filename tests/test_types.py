@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 # getattr calls the server may make, none on an engine, a request or a model: an exception's
 # optional headers, a logging level by name, a route's path where it has one.
 ALLOWED_GETATTR = {
-    ("server/errors.py", "exc"),
-    ("server/cli.py", "logging"),
-    ("server/cli.py", "args"),
-    ("server/request_context.py", "route"),
+    ("cdlm_serve/server/errors.py", "exc"),
+    ("cdlm_serve/server/cli.py", "logging"),
+    ("cdlm_serve/server/cli.py", "args"),
+    ("cdlm_serve/server/request_context.py", "route"),
 }
 
 
@@ -63,7 +63,7 @@ def test_the_server_probes_nothing_by_attribute_name():
     """No getattr in server/ on an engine, a request or a model, nor hasattr or
     operator.attrgetter (the same probe under other names): what it reads of them is typed."""
     found = set()
-    for path in sorted((REPO / "server").glob("*.py")):
+    for path in sorted((REPO / "cdlm_serve" / "server").glob("*.py")):
         for probe, target in _probes(path.read_text()):
             found.add((str(path.relative_to(REPO)), f"{probe}({target})"))
     allowed = {(path, f"getattr({target})") for path, target in ALLOWED_GETATTR}

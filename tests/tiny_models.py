@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from train.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, byte_tokenizer
+from cdlm_serve.train.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, byte_tokenizer
 
 VOCAB = 300  # 256 byte tokens + specials (ids 256..259) + spare ids (a padded embedding)
 __all__ = ["BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "VOCAB", "byte_tokenizer"]
@@ -197,7 +197,7 @@ def llada_peaked(folder: Path, seed: int = 4) -> dict[str, torch.Tensor]:
 
 
 def _llada(folder: Path, seed: int, peaked: bool) -> dict[str, torch.Tensor]:
-    from models.weights import canonical_to_llada
+    from cdlm_serve.models.weights import canonical_to_llada
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {

@@ -1,0 +1,75 @@
+"""The limits a request must fit, checked in one place: the server plans a request with them
+(to answer 400 with the right parameter before anything is queued) and each engine checks
+them again in `new_sequence` (its callers are not only the server: benches, training)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cdlm_serve.engine.unmasking import steps_problem
+
+
+@dataclass(frozen=True, slots=True)
+class LimitProblem:
+    message: str
+    param: str
+    code: str | None = None
+
+
+def context_problem(limit: int, prompt: int, wanted: int, note: str = "") -> LimitProblem:
+    """OpenAI's words for a request longer than the context."""
+    return LimitProblem(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the completion{note}). "
+        "Please reduce the prompt or max_tokens.",
+        "max_tokens",
+        "context_length_exceeded",
+    )
+
+
+def ar_problem(
+    prompt: int, max_tokens: int | None, history: int, limit: int, clamp: bool = False
+) -> LimitProblem | None:
+    """An autoregressive request of `prompt` new tokens after `history` (a session's) ones.
+    `max_tokens` None asks for the rest of the context; with `clamp` a longer one is cut to
+    it (the engine's way), else refused (the API's way)."""
+    if prompt < 1:
+        return LimitProblem("prompt is empty", "prompt")
+    room = limit - history - prompt
+    wanted = room if max_tokens is None else max_tokens
+    if room < 1 or (wanted > room and not clamp):
+        return context_problem(limit, history + prompt, wanted)
+    if wanted < 1:
+        return LimitProblem("max_tokens must be at least 1", "max_tokens")
+    return None
+
+
+def dlm_answer_length(max_tokens: int, block_size: int) -> int:
+    """The answer a diffusion engine decodes: max_tokens rounded up to whole blocks."""
+    return math.ceil(max_tokens / block_size) * block_size
+
+
+def dlm_problem(
+    prompt: int, max_tokens: int | None, block_size: int, steps: int | None, limit: int
+) -> LimitProblem | None:
+    """A diffusion request: the prompt and the whole blocks of its answer must fit the context,
+    and a fixed number of steps must divide over them."""
+    if prompt < 1:
+        return LimitProblem("a diffusion model needs a non-empty prompt", "prompt")
+    if block_size < 1:
+        return LimitProblem("block_size must be >= 1", "block_size")
+    room = limit - prompt
+    wanted = room if max_tokens is None else max_tokens
+    if room < 1 or wanted > room:
+        return context_problem(limit, prompt, wanted)
+    if wanted < 1:
+        return LimitProblem("max_tokens must be at least 1", "max_tokens")
+    answer = dlm_answer_length(wanted, block_size)
+    if answer > room:
+        return context_problem(limit, prompt, answer, ", max_tokens rounded up to whole blocks")
+    if steps is not None:
+        problem = steps_problem(steps, block_size, answer)
+        if problem is not None:
+            return LimitProblem(problem, "steps")
+    return None

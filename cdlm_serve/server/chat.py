@@ -1,0 +1,151 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then the same
+engines and choice handling as completions, in the chat response shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cdlm_serve.engine.interface import TokenLogprob
+from cdlm_serve.engine.served_model import ServedModel
+from cdlm_serve.server.errors import APIError
+from cdlm_serve.server.metrics import Metrics
+from cdlm_serve.server.planning import (
+    Choice,
+    UsageCount,
+    encode,
+    new_id,
+    plan_choices,
+    record,
+    reject_unsupported,
+    run_choices,
+    usage,
+)
+from cdlm_serve.server.schemas import ChatCompletionRequest
+from cdlm_serve.server.streaming import StreamHead, StreamKind
+
+
+def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
+    if not served.chat_template:
+        raise APIError(
+            400,
+            f"model {served.name!r} has no chat template; use /v1/completions",
+            param="messages",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        prompt: str = served.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return prompt
+    except Exception as e:  # a template that rejects the conversation (roles, order, ...)
+        raise APIError(
+            400, f"the chat template rejected the messages: {e}", param="messages"
+        ) from None
+
+
+def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
+    reject_unsupported(
+        served,
+        req,
+        {
+            "tools": bool(req.tools),
+            "response_format": req.response_format is not None
+            and req.response_format.get("type") != "text",
+            "presence_penalty": req.presence_penalty != 0.0,
+            "frequency_penalty": req.frequency_penalty != 0.0,
+            "logprobs": served.is_diffusion and req.logprobs,
+        },
+    )
+    text = render_prompt(served, req)
+    ids = encode(served, text, "messages")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return plan_choices(served, req, [(ids, text)], max_tokens, top)
+
+
+def _logprob_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _content_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            **_logprob_entry(tokenizer, lp.token, lp.logprob),
+            "top_logprobs": [_logprob_entry(tokenizer, t, v) for t, v in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+async def complete(
+    served: ServedModel,
+    req: ChatCompletionRequest,
+    choices: list[Choice],
+    metrics: Metrics | None = None,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    tally = UsageCount()
+    texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
+    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(choices))}
+    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
+    try:
+        async for i, out in run_choices(served, choices):
+            texts[i].append(out.text)
+            tally.add(out, i)
+            finish[i] = out.finish_reason or finish[i]
+            logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
+    except asyncio.CancelledError:  # the client went away: counted as an abort
+        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
+        raise
+    body = usage(served, choices, req.n, tally)
+    record(metrics, served, body, tally, started, len(choices))
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(texts[i])},
+                "logprobs": {"content": logprobs[i]} if req.logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": body,
+    }
+
+
+async def _chunks(
+    served: ServedModel,
+    req: ChatCompletionRequest,
+    choices: list[Choice],
+    head: StreamHead,
+    tally: UsageCount,
+) -> AsyncIterator[str]:
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> str:
+        content = {"content": logprobs} if req.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
+        return head.chunk(choice)
+
+    for c in choices:  # the role comes first, as OpenAI sends it
+        yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
+    async for i, out in run_choices(served, choices):
+        tally.add(out, i)
+        lps = _content_logprobs(served.tokenizer, out.logprobs)
+        if out.text or out.finish_reason or lps:
+            delta = {"content": out.text} if out.text else {}
+            yield chunk(choices[i].index, delta, out.finish_reason, lps)
+
+
+STREAM = StreamKind("chat.completion.chunk", "chatcmpl", _chunks)  # for server.streaming.stream

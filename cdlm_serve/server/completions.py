@@ -1,0 +1,162 @@
+"""POST /v1/completions: a request's choices (`server/planning.py`) and their engine outputs as
+OpenAI's response, one JSON body or a server-sent-event stream (`server/streaming.py`), with
+logprobs in the legacy completions shape. AR models stream one chunk per token, diffusion
+models one per completed block and report `usage.steps`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdlm_serve.engine import model_work
+from cdlm_serve.engine.interface import TokenLogprob
+from cdlm_serve.engine.served_model import ServedModel
+from cdlm_serve.server.metrics import Metrics
+from cdlm_serve.server.planning import (
+    Choice,
+    UsageCount,
+    new_id,
+    record,
+    run_choices,
+    usage,
+)
+from cdlm_serve.server.schemas import CompletionRequest
+from cdlm_serve.server.streaming import StreamHead, StreamKind
+
+
+# ---- logprobs in the legacy completions shape -------------------------------------------------
+@dataclass(slots=True)
+class LegacyLogprobs:
+    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"}, built up as tokens come."""
+
+    tokenizer: Any
+    offset: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        text = self.tokenizer.decode([token])
+        self.tokens.append(text)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(
+            None if top is None else {self.tokenizer.decode([t]): lp for t, lp in top}
+        )
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+
+    def add_outputs(self, logprobs: list[TokenLogprob]) -> None:
+        for lp in logprobs:
+            self.add(lp.token, lp.logprob, lp.top)
+
+    def body(self, start: int = 0) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+
+# ---- the two response forms -------------------------------------------------------------------
+async def complete(
+    served: ServedModel,
+    req: CompletionRequest,
+    choices: list[Choice],
+    metrics: Metrics | None = None,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    tally = UsageCount()
+    texts: dict[int, list[str]] = {
+        i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
+    }
+    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
+    logprobs = {i: await _start_logprobs(served, req, c) for i, c in enumerate(choices)}
+    try:
+        async for i, out in run_choices(served, choices):
+            texts[i].append(out.text)
+            tally.add(out, i)
+            finish[i] = out.finish_reason or finish[i]
+            lp = logprobs[i]
+            if lp is not None:
+                lp.add_outputs(out.logprobs)
+    except asyncio.CancelledError:  # the client went away: counted as an abort
+        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
+        raise
+    body = usage(served, choices, req.n, tally)
+    record(metrics, served, body, tally, started, len(choices))
+    return {
+        "id": new_id(),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": [
+            {
+                "index": c.index,
+                "text": "".join(texts[i]),
+                "logprobs": None if (lp := logprobs[i]) is None else lp.body(),
+                "finish_reason": finish[i],
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": body,
+    }
+
+
+async def _start_logprobs(
+    served: ServedModel, req: CompletionRequest, choice: Choice
+) -> LegacyLogprobs | None:
+    if req.logprobs is None:
+        return None
+    lp = LegacyLogprobs(served.tokenizer)
+    if req.echo:  # the prompt's own logprobs: model work, in pieces on the engine thread
+        scored = await asyncio.to_thread(
+            model_work.prompt_logprobs,
+            served.model,
+            choice.prompt_ids,
+            req.logprobs,
+            served.thread.run,
+        )
+        for p in scored:
+            lp.add(p.token, p.logprob, p.top)
+    return lp
+
+
+async def _chunks(
+    served: ServedModel,
+    req: CompletionRequest,
+    choices: list[Choice],
+    head: StreamHead,
+    tally: UsageCount,
+) -> AsyncIterator[str]:
+    def chunk(
+        index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return head.chunk(choice)
+
+    logprobs = {}
+    for i, c in enumerate(choices):
+        logprobs[i] = await _start_logprobs(served, req, c)
+    if req.echo:
+        for i, c in enumerate(choices):
+            lp = logprobs[i]
+            yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
+    sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
+    async for i, out in run_choices(served, choices):
+        tally.add(out, i)
+        lp = logprobs[i]
+        if lp is not None:
+            lp.add_outputs(out.logprobs)
+        if out.text or out.finish_reason or out.token_ids:
+            body = None if lp is None else lp.body(sent[i])
+            sent[i] = len(lp.tokens) if lp else 0
+            if out.text or out.finish_reason or body:
+                yield chunk(choices[i].index, out.text, out.finish_reason, body)
+
+
+STREAM = StreamKind("text_completion", "cmpl", _chunks)  # for server.streaming.stream

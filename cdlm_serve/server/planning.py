@@ -1,0 +1,343 @@
+"""What a request becomes for the engine, shared by completions and chat: one `Choice` per
+(prompt, sample), planned with every limit checked up front (`plan_choices`), all submitted
+at once so the engine batches them (`run_choices`), and counted for usage and metrics
+(`UsageCount`, `usage`, `record`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdlm_serve.engine import limits
+from cdlm_serve.engine.ar_engine import ARSequence
+from cdlm_serve.engine.dlm_engine import DLMEngine
+from cdlm_serve.engine.dlm_sequence import DLMParams, DLMSequence
+from cdlm_serve.engine.engine_thread import QueueFull
+from cdlm_serve.engine.interface import EngineOutput
+from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.served_model import ServedModel
+from cdlm_serve.engine.session import Session
+from cdlm_serve.engine.unmasking import DREAM_ALGS, LLADA_REMASKING
+from cdlm_serve.server.errors import APIError
+from cdlm_serve.server.metrics import Metrics
+from cdlm_serve.server.request_limits import MAX_CHOICES
+from cdlm_serve.server.schemas import DLM_OPTIONS, CompletionRequest, GenerationRequest
+
+
+@dataclass(slots=True)
+class Choice:
+    """One (prompt, sample) pair of a request: `n` choices per prompt, in OpenAI's order."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams | DLMParams
+    session: Session | None = None  # continue from this session's cache
+    append: bool = True
+
+
+@dataclass(slots=True)
+class UsageCount:
+    """What a request produced, for usage and metrics."""
+
+    completion_tokens: int = 0
+    steps: int = 0
+    reasons: list[str] = field(default_factory=list)
+    cached: dict[int, int] = field(default_factory=dict)  # choice -> prompt tokens cached
+
+    def add(self, out: EngineOutput, choice: int) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if out.cached_tokens is not None:
+            self.cached[choice] = out.cached_tokens
+        if out.finish_reason is not None:
+            self.reasons.append(out.finish_reason)
+            self.steps += out.steps or 0
+
+
+# ---- planning --------------------------------------------------------------------------------
+def reject_unsupported(
+    served: ServedModel, req: GenerationRequest, unsupported: dict[str, bool]
+) -> None:
+    if served.is_diffusion:
+        if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
+            unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
+    else:
+        unsupported |= dict.fromkeys(req.dlm_options_set(), True)
+    for param, used in unsupported.items():
+        if used:
+            reason = "only for diffusion models" if param in DLM_OPTIONS else "by this server yet"
+            if param == "logprobs" and served.is_diffusion:
+                reason = "for diffusion models"
+            raise APIError(400, f"{param} is not supported {reason}", param=param)
+
+
+def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
+    try:
+        return served.encode(text)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+
+
+def prompt_ids(served: ServedModel, prompt: Any, start: bool = True) -> list[tuple[list[int], str]]:
+    """Each prompt of a request (string, list of strings, token ids, list of id lists) as
+    (token ids, text). A text that `start`s a sequence gets the tokenizer's BOS where it adds
+    one (`ServedModel.sequence_start`); token ids are taken as they are."""
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    vocab = served.config.vocab_size
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            ids = encode(served, p)
+            if ids and start:
+                ids = served.sequence_start(ids)
+            if not ids and served.config.bos_token_id is not None:
+                ids = [int(served.config.bos_token_id)]
+            if not ids:
+                raise APIError(400, "prompt is empty", param="prompt")
+            out.append((ids, p))
+        else:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
+                )
+            out.append((list(p), served.tokenizer.decode(p)))
+    return out
+
+
+def _refuse(problem: limits.LimitProblem | None) -> None:
+    if problem is not None:
+        raise APIError(400, problem.message, param=problem.param, code=problem.code)
+
+
+def _params(
+    served: ServedModel,
+    req: GenerationRequest,
+    max_tokens: int,
+    seed: int | None,
+    logprobs: int | None,
+) -> SamplingParams | DLMParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    stop = list(req.stop or [])
+    if not served.is_diffusion:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
+            cache_salt=req.cache_salt,
+        )
+    engine = served.engine
+    assert isinstance(engine, DLMEngine)  # a diffusion model's
+    if req.alg is not None and req.remasking is not None:
+        raise APIError(400, "alg (Dream's) and remasking (LLaDA's) are alternatives", param="alg")
+    confidence = (
+        DREAM_ALGS[req.alg]
+        if req.alg is not None
+        else LLADA_REMASKING[req.remasking or "low_confidence"]
+    )
+    # The references' options mean their decoder: vanilla unless the request says otherwise.
+    reference = req.steps is not None or req.alg is not None or req.remasking is not None
+    return DLMParams(
+        max_tokens=max_tokens,
+        decoding=req.decoding or ("vanilla" if reference else "cdlm"),
+        block_size=req.block_size or engine.block_size,
+        threshold=engine.threshold if req.threshold is None else req.threshold,
+        # Diffusion decoding is greedy unless the request sets a temperature itself.
+        temperature=temperature if "temperature" in req.model_fields_set else 0.0,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        steps=req.steps,
+        confidence=confidence,
+        alg_temp=req.alg_temp or 0.0,
+    )
+
+
+def plan_choices(
+    served: ServedModel,
+    req: GenerationRequest,
+    prompts: list[tuple[list[int], str]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[Choice]:
+    limit = served.max_model_len
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices per request",
+            param="n",
+        )
+    choices = []
+    for i, (ids, text) in enumerate(prompts):
+        _refuse(limits.ar_problem(len(ids), max_tokens, 0, limit))
+        wanted = max_tokens if max_tokens is not None else limit - len(ids)
+        for j in range(req.n):
+            seed = None if req.seed is None else req.seed + j
+            params = _params(served, req, wanted, seed, logprobs)
+            if isinstance(params, DLMParams):
+                # The engine decodes whole blocks: the rounded-up answer must fit too.
+                _refuse(
+                    limits.dlm_problem(
+                        len(ids), wanted, params.block_size, params.steps, served.max_model_len
+                    )
+                )
+            choices.append(Choice(i * req.n + j, ids, text, params))
+    return choices
+
+
+def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]:
+    reject_unsupported(
+        served,
+        req,
+        {
+            "suffix": req.suffix is not None,
+            "best_of": req.best_of is not None and req.best_of != req.n,
+            "presence_penalty": req.presence_penalty != 0.0,
+            "frequency_penalty": req.frequency_penalty != 0.0,
+            "logprobs": served.is_diffusion and req.logprobs is not None,
+        },
+    )
+    return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
+
+
+def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
+    """One choice continuing from a session: the session's next input token (sampled last time,
+    never run through the model) comes first."""
+    reject_unsupported(
+        served,
+        req,
+        {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
+    )
+    # A continuation: no BOS, unless the session is empty (its first text starts it).
+    ((ids, text),) = prompt_ids(served, req.prompt, start=not session.logical_length)
+    if session.next_input is not None:
+        ids = [session.next_input, *ids]
+    history = session.logical_length
+    _refuse(limits.ar_problem(len(ids), req.max_tokens, history, served.max_model_len))
+    room = served.max_model_len - history - len(ids)
+    wanted = req.max_tokens if req.max_tokens is not None else room
+    params = _params(served, req, wanted, req.seed, None)
+    return [Choice(0, ids, text, params, session, req.append)]
+
+
+# ---- running ---------------------------------------------------------------------------------
+async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[EngineOutput]:
+    """The engine outputs of one choice, in order; the last carries the finish reason."""
+
+    def build(request_id: str, aborted: Callable[[], bool]) -> ARSequence | DLMSequence:
+        # `_params` gave the choice parameters of the model's own kind.
+        engine, params = served.engine, choice.params
+        if isinstance(engine, DLMEngine):
+            assert isinstance(params, DLMParams)
+            return engine.new_sequence(request_id, choice.prompt_ids, params, aborted)
+        assert isinstance(params, SamplingParams)
+        return engine.new_sequence(
+            request_id, choice.prompt_ids, params, aborted, choice.session, choice.append
+        )
+
+    try:
+        async for out in served.thread.stream(build):
+            yield out
+    except QueueFull as e:
+        raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+    except ValueError as e:  # the engine refused the request (limits it checks itself)
+        raise APIError(400, str(e)) from None
+
+
+async def run_choices(
+    served: ServedModel, choices: list[Choice]
+) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """All choices at once (the engine batches them); (choice index, output) as they come."""
+    if len(choices) == 1:
+        async for out in run_choice(served, choices[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()  # an output, error or `done`
+    done = object()
+
+    async def pump(i: int, choice: Choice) -> None:
+        try:
+            async for out in run_choice(served, choice):
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                assert isinstance(item, EngineOutput)
+                yield i, item
+    finally:
+        for t in tasks:  # the client went away or a choice failed: stop the others too
+            t.cancel()
+
+
+def new_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(served: ServedModel, choices: list[Choice], n: int, tally: UsageCount) -> dict[str, Any]:
+    # Each prompt counts once, however many samples were drawn from it (OpenAI's accounting).
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices[::n])
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": tally.completion_tokens,
+        "total_tokens": prompt_tokens + tally.completion_tokens,
+    }
+    if served.is_diffusion:
+        body["steps"] = tally.steps
+    else:
+        # Per prompt, the most any of its samples found in the prefix cache (its samples are
+        # admitted together, so they usually agree).
+        cached = sum(
+            max((tally.cached.get(i, 0) for i in range(p, min(p + n, len(choices)))), default=0)
+            for p in range(0, len(choices), n)
+        )
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
+
+
+def record(
+    metrics: Metrics | None,
+    served: ServedModel,
+    body: dict[str, int],
+    tally: UsageCount,
+    started: float,
+    n_choices: int,
+) -> None:
+    """Count a finished request; one whose choices did not all finish was aborted."""
+    if metrics is None:
+        return
+    complete = len(tally.reasons) == n_choices and "abort" not in tally.reasons
+    reason = tally.reasons[-1] if complete else "abort"
+    metrics.observe_request(
+        served.name,
+        body["prompt_tokens"],
+        body["completion_tokens"],
+        reason,
+        time.perf_counter() - started,
+    )
