@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cdlm_serve.server import cli
+
+# What the environment said before any test here ran (a developer may force an ISA for the suite).
+_ISA_BEFORE = os.environ.get("CDLM_SERVE_CPU_ISA")
 
 
 def test_every_flag_names_its_environment_variable_in_its_group(capsys):
@@ -73,13 +78,19 @@ def test_a_cpu_isa_this_cpu_cannot_run_is_refused_at_start_up(monkeypatch):
     missing = [isa for isa in ("avx512", "avx2") if not kernels.cpu_has(isa)]
     if not missing:
         pytest.skip("this CPU runs every build: nothing to refuse")
-    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    # serve() sets CDLM_SERVE_CPU_ISA for the kernels: recorded here, so that it is undone
+    # after the test (the later tests' servers inherit this process's environment).
+    monkeypatch.setenv(kernels.ISA_ENV, "native")
     args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--cpu-isa", missing[0]])
-    try:
-        with pytest.raises(SystemExit, match=f"--cpu-isa {missing[0]}: this CPU cannot run it"):
-            cli.serve(args)
-    finally:
-        monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    with pytest.raises(SystemExit, match=f"--cpu-isa {missing[0]}: this CPU cannot run it"):
+        cli.serve(args)
+
+
+def test_the_cli_leaves_no_cpu_isa_behind():
+    """(The test above must not leak its --cpu-isa into the servers later tests start.)"""
+    from cdlm_serve.models import kernels
+
+    assert os.environ.get(kernels.ISA_ENV) == _ISA_BEFORE
 
 
 def test_the_dtype_follows_the_kernels_this_cpu_runs(monkeypatch):
