@@ -211,7 +211,10 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
         f"{statistics.median(during) * 1e3:.0f} ms, p99 {_p99(during) * 1e3:.0f} ms, "
         f"max {max(during) * 1e3:.0f} ms"
     )
-    assert _p99(during) <= 3 * _p99(base_gaps), (_p99(during), _p99(base_gaps))
+    # 3x plus 0.1 s: on 2 cores the fits take one core from the stream, and the p99 of ~100
+    # waits is their second longest, which the machine's noise moves (87 and 156 ms in two runs
+    # of one commit, alone 50 ms both); pieces held 0.2 s longer on the engine thread give 427.
+    assert _p99(during) <= 3 * _p99(base_gaps) + 0.1, (_p99(during), _p99(base_gaps))
     assert max(during) <= 1.0, max(during)
     httpx.delete(f"{base}/v1/sessions/long").raise_for_status()
 
