@@ -77,3 +77,25 @@ def test_the_rss_sampler_stops_and_joins():
     sampler.stop()
     sampler.join(timeout=10)  # its stop event once shadowed Thread._stop: join raised
     assert not sampler.is_alive()
+
+
+def test_plot_without_matplotlib_is_one_line_before_the_run(monkeypatch, capsys, tmp_path):
+    """--plot with matplotlib missing stops at the arguments, naming the extra, before any
+    server starts (the run used to end in a traceback after half an hour)."""
+    import importlib.util
+
+    import pytest
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    started = []
+    monkeypatch.setattr(soak, "start_server", lambda *a: started.append(a))
+    with pytest.raises(SystemExit) as exit_:
+        soak.main(["--plot", str(tmp_path / "soak.png"), "--minutes", "0.01"])
+    assert exit_.value.code == 2
+    assert "--plot needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
+    assert not started

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--every", type=float, default=10, help="seconds between samples")
     p.add_argument("--plot", type=Path, help="a PNG of RSS (and the server's counts) over time")
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Said before a half-hour run, not as a traceback after it.
+        p.error("--plot needs matplotlib: pip install -e '.[bench]'")
 
     with tempfile.TemporaryDirectory() as scratch:
         soak, server = start_server(args, Path(scratch), "bench_soak_server.log")
