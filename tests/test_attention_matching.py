@@ -1,5 +1,5 @@
-"""Attention Matching on single heads with known answers (engine/attention_matching.py,
-engine/nnls.py)."""
+"""Attention Matching on single heads with known answers (engine/compaction/attention_matching.py,
+engine/compaction/nnls.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cdlm_serve.engine.attention_matching import (
+from cdlm_serve.engine.compaction.attention_matching import (
     HIGHEST_AGGREGATE,
     METHODS,
     HeadInputs,
@@ -22,7 +22,12 @@ from cdlm_serve.engine.attention_matching import (
     summary,
     targets,
 )
-from cdlm_serve.engine.nnls import _reduced, gram_nnls, nonnegative_weights, pivoting_nnls
+from cdlm_serve.engine.compaction.nnls import (
+    _reduced,
+    gram_nnls,
+    nonnegative_weights,
+    pivoting_nnls,
+)
 from tolerances import assert_reordered_close
 
 
@@ -246,7 +251,7 @@ def test_beta_weights_equal_scipys_on_columns_of_very_different_scales(monkeypat
     unscaled = gram_nnls(a.T @ a, a.T @ m)
     assert float(torch.linalg.norm(a @ unscaled - m)) > best * (1 + 1e-6)
 
-    from cdlm_serve.engine import nnls
+    from cdlm_serve.engine.compaction import nnls
 
     monkeypatch.setattr(nnls, "pivoting_nnls", lambda *args, **kw: (args[1] * 0, False))
     fallback = nonnegative_weights(a.float(), m.float()).double()

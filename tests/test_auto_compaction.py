@@ -1,4 +1,4 @@
-"""Online compaction (engine/auto_compaction.py): a session created with a policy compacts
+"""Online compaction (engine/compaction/auto.py): a session created with a policy compacts
 itself exactly when an append takes it past the policy's size, between requests, and exactly as
 the same compaction requested by hand would (a twin session, fed the same tokens without a
 policy and compacted by `/compact` with the policy's method, ratio and keep_recent wherever the
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.testing import assert_close as close
 
-from cdlm_serve.engine import session_files
-from cdlm_serve.engine.auto_compaction import AutoCompact
+from cdlm_serve.engine.compaction.auto import AutoCompact
+from cdlm_serve.engine.sessions import files as session_files
 from conftest import tiny_session_server
 
 CPU = torch.device("cpu")
@@ -289,7 +289,7 @@ def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
 
     import cdlm_serve.bench.online_compaction as online
     import tiny_models
-    from cdlm_serve.engine.compaction_budgets import bounds, from_schedule
+    from cdlm_serve.engine.compaction.budgets import bounds, from_schedule
     from cdlm_serve.models.loading import load_model
 
     model, _ = load_model(tiny_llama_dir)

@@ -8,7 +8,7 @@ import torch
 
 import tiny_models
 from cdlm_serve.bench.compaction import Spec, _parts, mixed_cache
-from cdlm_serve.engine.kv_compaction import compact_row
+from cdlm_serve.engine.compaction.row import compact_row
 from cdlm_serve.models.loading import load_model
 
 
@@ -142,7 +142,7 @@ def test_a_solved_schedule_gives_back_its_slots_at_its_ratio_and_scales_at_other
     import random
 
     from cdlm_serve.bench.head_budgets import shares_of, solve
-    from cdlm_serve.engine.compaction_budgets import from_schedule
+    from cdlm_serve.engine.compaction.budgets import from_schedule
 
     rng = random.Random(1)
     for _ in range(50):

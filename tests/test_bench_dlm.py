@@ -6,7 +6,7 @@ import argparse
 
 import tiny_models
 from cdlm_serve.bench import cdlm_suites
-from cdlm_serve.engine.dlm_engine import DLMEngine
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
 from cdlm_serve.models.loading import load_model
 
 

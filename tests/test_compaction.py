@@ -1,4 +1,4 @@
-"""Compacting a model's cache row end to end (engine/kv_compaction.py): queries, fits, splice,
+"""Compacting a model's cache row end to end (engine/compaction/row.py): queries, fits, splice,
 budgets, storage of the segment. One concern, on one tiny model fixture; the single-head
 algebra is tests/test_attention_matching.py."""
 
@@ -10,11 +10,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from cdlm_serve.engine.attention_matching import (
+from cdlm_serve.engine.compaction.attention_matching import (
     HeadInputs,
     select_keys,
 )
-from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cpu_features import ISAS, kernel_build
 
 
@@ -54,7 +54,7 @@ def _next_logits(model, cache, token):
     "source", ["context", "repeat", "repeat-banded", "self-study", "on-policy"]
 )
 def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -78,7 +78,7 @@ def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
 
 
 def test_compacted_cache_continues_from_the_logical_length(tiny):
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -117,10 +117,10 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     tokens after its segment line up with their slots and all see the segment: again exact
     with a wide window, changed by a narrow one; where the segment is not known, the full
     pass. The -fast variants default to it on a CPU."""
-    from cdlm_serve.engine import compaction_queries
-    from cdlm_serve.engine.compaction_options import REPEAT_INSTRUCTION, default_query_source
-    from cdlm_serve.engine.compaction_queries import reference_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction import queries as compaction_queries
+    from cdlm_serve.engine.compaction.options import REPEAT_INSTRUCTION, default_query_source
+    from cdlm_serve.engine.compaction.queries import reference_queries
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -168,9 +168,10 @@ def test_a_long_history_is_repeated_in_pieces_each_lined_up_with_its_own_slots(t
     evenly over the history, its last tokens always: as many queries for a history twice as
     long (the instruction's once). A piece's repeated tokens line up with their own cached
     slots: the last piece is blind to slots far before it and sees those near it."""
-    from cdlm_serve.engine import compaction_options, compaction_queries
-    from cdlm_serve.engine.compaction_options import REPEAT_INSTRUCTION
-    from cdlm_serve.engine.compaction_queries import reference_queries, repeat_pieces
+    from cdlm_serve.engine.compaction import options as compaction_options
+    from cdlm_serve.engine.compaction import queries as compaction_queries
+    from cdlm_serve.engine.compaction.options import REPEAT_INSTRUCTION
+    from cdlm_serve.engine.compaction.queries import reference_queries, repeat_pieces
 
     monkeypatch.setattr(compaction_queries, "REPEAT_WINDOW", 4)
     monkeypatch.setattr(compaction_queries, "REPEAT_ROWS", 8)
@@ -210,7 +211,7 @@ def test_a_long_history_is_repeated_in_pieces_each_lined_up_with_its_own_slots(t
 
 
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -234,7 +235,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
     """Every forward of a compaction goes through on_engine (the server runs those pieces on
     the engine thread between decode steps), each piece runs at most one layer's attention,
     and the fits run outside them."""
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -273,7 +274,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
 
 
 def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
-    from cdlm_serve.engine.attention_matching import OmpBudget, omp
+    from cdlm_serve.engine.compaction.attention_matching import OmpBudget, omp
 
     gen = torch.Generator().manual_seed(0)
     h = HeadInputs(
@@ -295,7 +296,7 @@ def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "expected_attention", "streaming"])
 def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -318,8 +319,8 @@ def test_unscored_baselines_measure_their_error_on_a_reread_sample(tiny, method)
     error, so they re-read max_queries / group of the context's tokens
     (`context_key_queries`), after the segment on a row compacted before, instead of a pass
     over the whole history; the error is the one those very queries measure."""
-    from cdlm_serve.engine.compaction_queries import context_key_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.queries import context_key_queries
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -347,8 +348,8 @@ def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(t
     """context_key_queries re-reads `count` seeded random tokens of a row never compacted:
     per layer, exactly the queries a causal pass over the whole context has there, the cache
     untouched; on a row compacted before whose segment is not known, the whole pass."""
-    from cdlm_serve.engine.compaction_queries import context_key_queries, reference_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.queries import context_key_queries, reference_queries
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -381,8 +382,8 @@ def test_context_key_queries_on_a_compacted_row_reread_the_tokens_after_its_segm
     `count`): per layer, at their logical positions, exactly the queries those tokens get
     when run as a continuation of the segment alone (its beta included), the cache
     untouched."""
-    from cdlm_serve.engine.compaction_queries import context_key_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.queries import context_key_queries
+    from cdlm_serve.engine.compaction.row import compact_row
     from cdlm_serve.models.transformer import new_capture
 
     model, tok = tiny
@@ -422,8 +423,8 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
     (`context_key_queries`: all of them where they are fewer than max_queries, else
     max_queries / group positions re-read), over the region and the exact tail; "reference"
     ranks by the repeat queries instead, other keys."""
-    from cdlm_serve.engine.compaction_queries import context_key_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.queries import context_key_queries
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -475,7 +476,7 @@ def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
     """am-h2o on a model's cache: each kept slot is an original key with its own value (no
     values fitted), the keys ranked by the context's queries (its only ranking: 'reference' is
     refused), the beta fitted on the repeat queries (banded on a CPU): nonzero."""
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -502,8 +503,8 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     from any one of its group's repeat queries (banded on a CPU), each query's softmax over
     the whole row (region and exact tail), with their own values and no bias; every query
     counts, not the fits' sample of max_queries."""
-    from cdlm_serve.engine.compaction_queries import reference_queries
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.queries import reference_queries
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -540,7 +541,7 @@ def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
     import numpy as np
     from scipy.optimize import nnls
 
-    from cdlm_serve.engine.nnls import GrowingNNLS
+    from cdlm_serve.engine.compaction.nnls import GrowingNNLS
 
     gen = torch.Generator().manual_seed(0)
     e = torch.exp(torch.randn(80, 40, generator=gen))  # exp-score-like columns
@@ -563,7 +564,7 @@ def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():
 
 
 def test_budgets_go_where_attention_is_spread_and_keep_the_total():
-    from cdlm_serve.engine.compaction_budgets import _by_shares
+    from cdlm_serve.engine.compaction.budgets import _by_shares
 
     flat = torch.full((100,), 0.01)  # attention spread over every key
     peaked = torch.cat([torch.full((5,), 0.19), torch.full((95,), 0.05 / 95)])
@@ -596,7 +597,7 @@ def test_masked_padding_slots_change_nothing(tiny, isa):
     """A segment's padding (the slots a shorter head does not use) is invisible: decoding
     with it gives the logits decoding without it gives, in PyTorch and in each build of the
     fused kernels."""
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
     from cdlm_serve.models import kernels
 
     fused = isa is not None
@@ -619,7 +620,7 @@ def test_masked_padding_slots_change_nothing(tiny, isa):
 def _non_uniform(model, tok, seed: int, quantize: str | None = None):
     """150 random tokens compacted to 16 slots per head on average with budgets by attention
     (so the heads differ, the shorter ones padded), the last 8 kept: (ids, cache, report)."""
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(seed)).tolist()
     cache = _prefilled(model, ids)
@@ -631,8 +632,8 @@ def _non_uniform(model, tok, seed: int, quantize: str | None = None):
 
 
 def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(tiny, tmp_path):
-    from cdlm_serve.engine import session_files
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.sessions import files as session_files
 
     model, tok = tiny
     ids, cache, report = _non_uniform(model, tok, seed=6)
@@ -670,8 +671,8 @@ def test_an_idle_non_uniform_session_rests_ragged_in_memory_and_unpacks_exactly(
     """Between requests the store keeps a non-uniform session without its padding (and as
     int8 codes where quantized): it takes the bytes of its visible slots (the ragged layout the
     disk has too), and comes back slot for slot, decoding exactly as before."""
-    from cdlm_serve.engine.packed_cache import PackedCache
-    from cdlm_serve.engine.session_store import SessionStore
+    from cdlm_serve.engine.sessions.packed_cache import PackedCache
+    from cdlm_serve.engine.sessions.store import SessionStore
 
     model, tok = tiny
     ids, cache, report = _non_uniform(model, tok, seed=7, quantize=quantize)
@@ -720,7 +721,7 @@ def test_an_idle_non_uniform_session_rests_ragged_in_memory_and_unpacks_exactly(
 def test_a_measured_schedule_splits_the_total_by_its_shares_within_the_bounds():
     import random
 
-    from cdlm_serve.engine.compaction_budgets import SCHEDULE_MOST, bounds, from_schedule
+    from cdlm_serve.engine.compaction.budgets import SCHEDULE_MOST, bounds, from_schedule
 
     rng = random.Random(0)
     for _ in range(300):
@@ -753,7 +754,7 @@ def test_a_schedule_for_another_shape_is_not_loaded(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from cdlm_serve.engine.compaction_budgets import load_schedule
+    from cdlm_serve.engine.compaction.budgets import load_schedule
 
     cfg = SimpleNamespace(num_layers=2, num_kv_heads=3)
     (tmp_path / "m.json").write_text(json.dumps({"shares": [[0.1] * 3, [0.2] * 3]}))
@@ -765,8 +766,8 @@ def test_a_schedule_for_another_shape_is_not_loaded(tmp_path):
 
 @pytest.mark.parametrize("source", ["repeat", "on-policy"])
 def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
-    from cdlm_serve.engine.compaction_budgets import from_schedule
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.budgets import from_schedule
+    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -792,7 +793,7 @@ def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
 def test_the_default_model_ships_a_schedule_of_its_shape_under_either_name():
     from types import SimpleNamespace
 
-    from cdlm_serve.engine.compaction_budgets import load_schedule, schedule_name
+    from cdlm_serve.engine.compaction.budgets import load_schedule, schedule_name
 
     assert schedule_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
     assert schedule_name("/models/my-model") == "my-model"

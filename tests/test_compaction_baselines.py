@@ -1,12 +1,12 @@
-"""The token-selection baselines, as their papers define them (engine/compaction_baselines.py)."""
+"""The token-selection baselines, as their papers define them (engine/compaction/baselines.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cdlm_serve.engine import compaction_baselines as baselines
-from cdlm_serve.engine.attention_matching import HeadInputs, compact_head
+from cdlm_serve.engine.compaction import baselines
+from cdlm_serve.engine.compaction.attention_matching import HeadInputs, compact_head
 from cdlm_serve.models.rope import apply_rotary
 
 

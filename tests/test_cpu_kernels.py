@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.models import kernels
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.quantize import quantize_q8_0
@@ -442,7 +442,7 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
     row's blocks bidirectional within themselves, block-causal to the committed slots),
     fast_dllm (the block and every later position bidirectional over the refreshed prefix
     cache) and vanilla (the whole sequence through a scratch cache)."""
-    from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+    from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
     from cdlm_serve.models.sources import resolve
     from cdlm_serve.train.data import KINDS
     from cdlm_serve.train.tasks import TASKS, exact_match
@@ -501,9 +501,10 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_attention_over_the_padding_of_uneven_budgets(dim):
-    """Each head's compacted segment padded to the longest head's (a -inf bias: engine/ragged.py),
-    then recent slots: the kernel skips the padding (whole blocks of 16 and single keys) and
-    answers exactly as if the padding were read (its probability is 0), matching the reference."""
+    """Each head's compacted segment padded to the longest head's (a -inf bias:
+    engine/sessions/ragged.py), then recent slots: the kernel skips the padding (whole blocks of 16
+    and single keys) and answers exactly as if the padding were read (its probability is 0),
+    matching the reference."""
     gen = torch.Generator().manual_seed(5)
     batch, heads, kv_heads, slots, segment = 3, 6, 3, 90, 70
     q = torch.randn(batch, heads, dim, generator=gen).to(BF16)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
-from cdlm_serve.engine.kv_compaction import compact_row
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models.loading import load_model
 from test_dlm_reference import CASES, _params, _reference_steps
 

@@ -12,10 +12,16 @@ import torch
 from torch import Tensor
 
 import tiny_models
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
-from cdlm_serve.engine.dlm_modes import MODES, DecodeContext, DecodingMode, register, unregister
-from cdlm_serve.engine.dlm_modes.base import padded_tokens
-from cdlm_serve.engine.dlm_sequence import BlockPass, DLMSequence
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding.dlm_modes import (
+    MODES,
+    DecodeContext,
+    DecodingMode,
+    register,
+    unregister,
+)
+from cdlm_serve.engine.decoding.dlm_modes.base import padded_tokens
+from cdlm_serve.engine.decoding.dlm_sequence import BlockPass, DLMSequence
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.loading import load_model
 from conftest import app_in_thread

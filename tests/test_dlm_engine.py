@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.loading import load_model
 from conftest import outputs_by_request
@@ -319,7 +319,7 @@ def test_cdlm_prompts_joining_together_prefill_in_one_forward(engine):
 def test_drawn_positions_are_k_candidates_whatever_the_temperature(temperature):
     """Dream's alg_temp draws the scheduled positions by confidence: any temperature a request
     may send draws exactly k distinct candidates (never a finalized position), never fails."""
-    from cdlm_serve.engine.unmasking import pick
+    from cdlm_serve.engine.decoding.unmasking import pick
 
     conf = torch.tensor([0.9, float("-inf"), 0.1, 0.5, float("-inf"), 0.0003, 0.2])
     gen = torch.Generator().manual_seed(0)

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import tiny_models
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
-from cdlm_serve.engine.unmasking import DREAM_ALGS, LLADA_REMASKING
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.loading import load_model
 

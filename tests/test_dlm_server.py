@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import tiny_models
-from cdlm_serve.engine.text_output import TextAssembler
+from cdlm_serve.engine.decoding.text_output import TextAssembler
 from conftest import running_server
 
 

@@ -6,9 +6,14 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.sampling import SamplingParams, _top_p_filter, sample, tempered_softmax
-from cdlm_serve.engine.text_output import TextAssembler
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.sampling import (
+    SamplingParams,
+    _top_p_filter,
+    sample,
+    tempered_softmax,
+)
+from cdlm_serve.engine.decoding.text_output import TextAssembler
 from cdlm_serve.models.loading import load_model
 from conftest import outputs_by_request
 
@@ -205,8 +210,8 @@ def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
     """After a compacted session's request, later steps carry no per-key biases (every step
     would pay for them), and an idle engine gives back a cache grown for a long prompt."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.kv_compaction import compact_row
-    from cdlm_serve.engine.session import Session
+    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.sessions.session import Session
 
     _, engine, tok = setup
     model = engine.model
@@ -296,9 +301,9 @@ def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_
     (which RoPE's relative scores hide from its answer, but not from a session written back
     or the prefix cache, which refused the row: a 400 on the server)."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.kv_compaction import compact_row
-    from cdlm_serve.engine.prefix_cache import PrefixCache
-    from cdlm_serve.engine.session import Session
+    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+    from cdlm_serve.engine.sessions.session import Session
 
     _, plain, tok = setup
     model = plain.model

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdlm_serve.engine.session import SESSION_ID, SessionError
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions.session import SESSION_ID, SessionError
+from cdlm_serve.engine.sessions.store import SessionStore
 from conftest import running_server, tree_snapshot
 
 ODD_TEXT = st.text(

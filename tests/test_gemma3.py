@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.engine.model_work import PREFILL_HEADROOM
-from cdlm_serve.engine.prefix_cache import PrefixCache
-from cdlm_serve.engine.sampling import SamplingParams
 from cdlm_serve.models.loading import load_model
 
 WINDOW = tiny_models.GEMMA3_TINY["sliding_window"]
@@ -256,7 +256,7 @@ def test_compaction_fits_the_global_layers_and_leaves_the_windows(pair):
     the logical length is kept, and the compacted row continues closer to the full one than
     a random choice of slots does (am-omp on repeat queries vs the random baseline)."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     _, ours = pair
     tok = tiny_models.byte_tokenizer()
@@ -312,7 +312,7 @@ def test_a_compacted_row_continues_as_transformers_over_its_kept_positions(pair)
     length, not the slot count), the windows' rings as they were. Two new tokens: they need
     one slot more than the ring, which the compaction trimmed back to the window."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.kv_compaction import compact_row
+    from cdlm_serve.engine.compaction.row import compact_row
 
     hf, ours = pair
     ids = _ids(160, 5)[0].tolist()
@@ -347,7 +347,7 @@ def test_decode_steps_attend_through_the_fused_kernel_as_sdpa_does(tmp_path, mon
     the window ring's slots out of the window and a shorter row's padding as -inf bias. Two
     rows of different lengths, past the window (the ring wrapped), get the logits SDPA's path
     gives, to bf16 rounding."""
-    from cdlm_serve.engine.model_runner import ModelRunner
+    from cdlm_serve.engine.decoding.model_runner import ModelRunner
     from cdlm_serve.models import kernels
     from cpu_features import skip_unless
 

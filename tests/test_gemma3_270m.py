@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models.fetch import GEMMA3_270M, ensure_model
 from cdlm_serve.models.loading import load_model
 from conftest import running_server

@@ -14,7 +14,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdlm_serve.engine import heap
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions.store import SessionStore
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.state import ServerSettings, ServerState
 
@@ -141,8 +141,8 @@ def test_an_idle_ar_engine_reports_the_batch_cache_it_drops(tmp_path, monkeypatc
     """The grown batch cache of a long prompt is released once idle, and said to be freed
     (with its size), so the trimmer gives the memory back."""
     import tiny_models
-    from cdlm_serve.engine.ar_engine import AREngine
-    from cdlm_serve.engine.sampling import SamplingParams
+    from cdlm_serve.engine.decoding.ar_engine import AREngine
+    from cdlm_serve.engine.decoding.sampling import SamplingParams
     from cdlm_serve.models.loading import load_model
 
     tiny_models.hf_tiny("llama", tmp_path)

@@ -8,6 +8,9 @@ Both lists are empty since issue 37 (a `DecodeContext` for the decoding modes, `
 and `server/compaction_thread.py`, a `Telemetry` protocol the engine defines); an entry may only
 come back with a reason, and the test fails when a listed one is gone, so the lists never hide
 a new circle behind an old name.
+
+A third: the subsystems (engine/decoding, engine/compaction, engine/sessions, server/routes)
+are used through their packages only, outside the benches (`SUBSYSTEMS`).
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ def _circles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
 def test_the_import_graph_is_read_whole():
     """The walk sees the imports it must: a module-level one, a type-only one, a relative one."""
     graph = _graph()
-    assert "models.transformer" in graph["engine.ar_engine"]
-    assert "engine.session" in graph["engine.ar_engine"]  # under TYPE_CHECKING
+    assert "models.transformer" in graph["engine.decoding.ar_engine"]
+    assert "engine.sessions" in graph["engine.decoding.ar_engine"]  # under TYPE_CHECKING
     assert len(graph) > 60
 
 
@@ -135,3 +138,38 @@ def test_lower_layers_do_not_import_the_server():
         if not target.startswith("models")
     }
     assert not models_out, models_out
+
+
+# The subsystems: what each offers the others is what its package (`__init__`) exports.
+SUBSYSTEMS = ("engine.decoding", "engine.compaction", "engine.sessions", "server.routes")
+# The benches measure the parts themselves (a fit, a query source): they may reach inside.
+HARNESSES = ("bench",)
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _reaching_inside(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {
+        (module, target)
+        for module, targets in graph.items()
+        if not module.startswith(HARNESSES)
+        for target in targets
+        for package in SUBSYSTEMS
+        if _inside(target, package) and target != package and not _inside(module, package)
+    }
+
+
+def test_each_subsystem_is_used_through_its_package_only():
+    """Outside engine/decoding, engine/compaction, engine/sessions and server/routes, our modules
+    import the package (`from cdlm_serve.engine.compaction import compact_row`), never one of
+    its modules: a module inside may move or split without its users knowing."""
+    assert _reaching_inside(_graph()) == set()
+
+
+def test_the_subsystem_rule_sees_a_module_reached_inside():
+    graph = _graph()
+    graph["server.chat"] = graph["server.chat"] | {"engine.compaction.row"}
+    graph["bench.compaction"] = graph["bench.compaction"] | {"engine.compaction.row"}
+    assert _reaching_inside(graph) == {("server.chat", "engine.compaction.row")}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.models import kernels
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.quantize import (
@@ -172,8 +172,8 @@ def test_the_server_serves_int8_weights(built, tmp_path):
     bf16 weights."""
     import httpx
 
-    from cdlm_serve.engine.ar_engine import AREngine
-    from cdlm_serve.engine.sampling import SamplingParams
+    from cdlm_serve.engine.decoding.ar_engine import AREngine
+    from cdlm_serve.engine.decoding.sampling import SamplingParams
     from conftest import running_server
 
     tiny_models.kernel_llama(tmp_path)

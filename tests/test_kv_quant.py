@@ -1,5 +1,5 @@
-"""int8 session caches (engine/kv_quant.py): the codes' error bound, their stability, packing,
-and the files; then a real server's int8 session answering alike from memory, packed, and
+"""int8 session caches (engine/compaction/kv_quant.py): the codes' error bound, their stability,
+packing, and the files; then a real server's int8 session answering alike from memory, packed, and
 after a restart."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import httpx
 import pytest
 import torch
 
-from cdlm_serve.engine import session_files
-from cdlm_serve.engine.kv_quant import LEVELS, quantize_prefix
-from cdlm_serve.engine.packed_cache import PackedCache
+from cdlm_serve.engine.compaction.kv_quant import LEVELS, quantize_prefix
+from cdlm_serve.engine.sessions import files as session_files
+from cdlm_serve.engine.sessions.packed_cache import PackedCache
 from cdlm_serve.models.kv_cache import KVCache
 from conftest import tiny_session_server
 
@@ -105,7 +105,7 @@ def test_a_quantized_segment_goes_to_disk_as_codes_and_comes_back_alike(tmp_path
 
 
 def restore_prefix(cache: KVCache, codes) -> None:
-    from cdlm_serve.engine.kv_quant import restore
+    from cdlm_serve.engine.compaction.kv_quant import restore
 
     restore(cache, codes)
 

@@ -7,8 +7,8 @@ import torch
 
 import tiny_models
 from cdlm_serve.engine import limits
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models.loading import load_model
 
 

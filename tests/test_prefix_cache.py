@@ -1,5 +1,5 @@
-"""Automatic prefix caching (engine.prefix_cache) in the AR engine, on a tiny model: keys name
-whole prefixes, a cached prefix is loaded instead of prefilled, and the answers (greedy tokens
+"""Automatic prefix caching (engine.decoding.prefix_cache) in the AR engine, on a tiny model: keys
+name whole prefixes, a cached prefix is loaded instead of prefilled, and the answers (greedy tokens
 and their logprobs) are those of the same engine without the cache, under concurrency, chunked
 prefill and eviction pressure."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tiny_models
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.prefix_cache import PrefixCache, block_hashes
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.prefix_cache import PrefixCache, block_hashes
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model
 from tolerances import tolerance

@@ -280,8 +280,8 @@ def _turn(root: Path, sid: str, cache, slots: int, parent=None):
     """A session of `slots` slots. With `parent`, only the slots past it are written: another
     session is forked from it as a response is (its segments hard-linked), the same one
     appended to."""
-    from cdlm_serve.engine import session_files
-    from cdlm_serve.engine.session_files import Version
+    from cdlm_serve.engine.sessions import files as session_files
+    from cdlm_serve.engine.sessions.files import Version
 
     cache.lengths[0] = cache.logical[0] = slots
     draft = Version(sid, "m", list(range(slots)), None, [], 0.0, 0, 0, 0, [])
@@ -302,7 +302,7 @@ def test_a_conversation_holds_each_segment_once_in_the_tier(tmp_path, monkeypatc
     back only its own references."""
     import redis
 
-    from cdlm_serve.engine.session_mirror import MirrorError, SessionConflict, SessionMirror
+    from cdlm_serve.engine.sessions.mirror import MirrorError, SessionConflict, SessionMirror
 
     cache = _filled_cache(256)
     root = tmp_path / "a"
@@ -361,7 +361,7 @@ def test_a_session_published_before_blobs_were_shared_is_still_read(tmp_path):
 
     import redis
 
-    from cdlm_serve.engine.session_mirror import SessionMirror
+    from cdlm_serve.engine.sessions.mirror import SessionMirror
 
     cache = _filled_cache(64)
     for folder in "abc":
@@ -399,9 +399,9 @@ def test_segments_larger_than_a_redis_value_travel_in_parts(tmp_path):
     import redis
     import torch
 
-    from cdlm_serve.engine import session_files
-    from cdlm_serve.engine.session_files import Version
-    from cdlm_serve.engine.session_mirror import SessionMirror
+    from cdlm_serve.engine.sessions import files as session_files
+    from cdlm_serve.engine.sessions.files import Version
+    from cdlm_serve.engine.sessions.mirror import SessionMirror
     from cdlm_serve.models.kv_cache import KVCache
 
     cache = KVCache.allocate(2, 1, 2, 8, 64, "cpu", torch.float32)

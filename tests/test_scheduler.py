@@ -1,12 +1,12 @@
-"""The row scheduler both engines share (engine/scheduler.py), on plain sequences: admission per
-group, the abort sweep, retiring with row moves."""
+"""The row scheduler both engines share (engine/decoding/scheduler.py), on plain sequences:
+admission per group, the abort sweep, retiring with row moves."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cdlm_serve.engine.interface import EngineOutput
-from cdlm_serve.engine.scheduler import Scheduler
+from cdlm_serve.engine.decoding.interface import EngineOutput
+from cdlm_serve.engine.decoding.scheduler import Scheduler
 
 
 @dataclass(eq=False)

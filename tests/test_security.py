@@ -77,8 +77,8 @@ def test_bad_session_ids_are_refused_everywhere(base, home, sid):
 def test_store_refuses_paths_outside_its_root(tmp_path):
     """Defence in depth below the HTTP layer: ids are checked again, and a folder that resolves
     elsewhere (a planted symlink) is never read, written or deleted."""
-    from cdlm_serve.engine.session import SessionError
-    from cdlm_serve.engine.session_store import SessionStore
+    from cdlm_serve.engine.sessions.session import SessionError
+    from cdlm_serve.engine.sessions.store import SessionStore
 
     outside = tmp_path / "outside"
     outside.mkdir()

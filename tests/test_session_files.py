@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from cdlm_serve.engine import session_files
-from cdlm_serve.engine.session import Session
-from cdlm_serve.engine.session_files import (
+from cdlm_serve.engine.sessions import files as session_files
+from cdlm_serve.engine.sessions.files import (
     MAX_SEGMENTS,
     CorruptSession,
     Version,
     read_cache,
     recover,
 )
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions.session import Session
+from cdlm_serve.engine.sessions.store import SessionStore
 from cdlm_serve.models.kv_cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 8

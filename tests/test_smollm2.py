@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models.fetch import SMOLLM2, FetchError, ensure_model, model_dir
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.train.data import KINDS

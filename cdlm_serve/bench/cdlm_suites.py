@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
 from cdlm_serve.engine.served_model import load_tokenizer
 from cdlm_serve.models import kernels
 from cdlm_serve.models.loading import load_model

@@ -24,8 +24,8 @@ it keeps, (nll_none - nll_method) / (nll_none - nll_full), on:
 plus greedy exact match on the facts, the mean relative attention-output error, the bytes the
 compacted cache takes, and compaction wall time by stage (without the reference queries'
 capture: each source's queries are captured once per context and shared by every method and
-ratio; `--timing` measures the whole cost). Methods (`engine.attention_matching.METHODS` with
-their query sources): am-omp and am-highest use repeat + self-study queries, their -fast
+ratio; `--timing` measures the whole cost). Methods (`engine.compaction.attention_matching.METHODS`
+with their query sources): am-omp and am-highest use repeat + self-study queries, their -fast
 variants banded repeat queries (`repeat-banded`), and am-highest ranks its keys by the context's
 own queries (`key_queries`: +ctxkeys / +refkeys to choose); KVzip-style uses repeat queries;
 SnapKV, H2O and Expected Attention score keys with the context's own queries; streaming and
@@ -68,11 +68,11 @@ from cdlm_serve.bench.facts import (
     measure,
     sequence_start,
 )
-from cdlm_serve.engine.compaction_budgets import load_schedule
-from cdlm_serve.engine.compaction_options import default_key_queries
-from cdlm_serve.engine.compaction_queries import reference_queries
-from cdlm_serve.engine.kv_compaction import compact_row
-from cdlm_serve.engine.packed_cache import PackedCache
+from cdlm_serve.engine.compaction.budgets import load_schedule
+from cdlm_serve.engine.compaction.options import default_key_queries
+from cdlm_serve.engine.compaction.queries import reference_queries
+from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.sessions.packed_cache import PackedCache
 from cdlm_serve.models import kernels
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model
@@ -111,7 +111,7 @@ def _parts(method: str) -> Spec:
     """METHOD[:SOURCE][+int8][+attn|+measured][+ctxkeys|+refkeys] -> its settings; a source
     may hold a "+" itself (repeat+self-study). ctxkeys / refkeys: the keys ranked by the
     context's own queries / the reference ones (by default the method's own,
-    `engine.kv_compaction.default_key_queries`)."""
+    `engine.compaction.row.default_key_queries`)."""
     flags: set[str] = set()
     while (tail := method.rpartition("+")[2]) in FLAGS:
         flags.add(tail)
@@ -152,7 +152,8 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
 
 
 def _schedule(model, args) -> list[list[float]]:
-    """The model's measured budget schedule (engine/budget_schedules/), which must exist."""
+    """The model's measured budget schedule (engine/compaction/budget_schedules/), which must
+    exist."""
     schedule = load_schedule(args.model, model.config)
     if schedule is None:
         raise SystemExit(
@@ -175,7 +176,7 @@ def stored_bytes(cache, report) -> int:
     differ, int8 codes where quantized): written out and measured."""
     import tempfile
 
-    from cdlm_serve.engine import session_files
+    from cdlm_serve.engine.sessions import files as session_files
 
     with tempfile.TemporaryDirectory() as tmp:
         version = session_files.Version("row", "bench", [], None, [], 0.0, 0, 0, 0, [])
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # Every method and ratio of this context reads the same reference queries: captured
         # once per source (on-policy ones depend on the fit and are captured each time).
         # (The context queries that rank keys, a sample re-read from the row, each compaction
-        # reads itself: `engine.kv_compaction.context_key_queries`.)
+        # reads itself: `engine.compaction.row.context_key_queries`.)
         sources = {_parts(m).source for m in args.methods}
         captured = {
             src: list(reference_queries(model, tok, full, 0, ids, src))

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from cdlm_serve.bench import online_compaction as online
 from cdlm_serve.bench.compaction import _text, save_json
-from cdlm_serve.engine import attention_matching as am
-from cdlm_serve.engine import compaction_baselines as baselines
-from cdlm_serve.engine import kv_compaction
-from cdlm_serve.engine.attention_matching import HeadInputs, HeadResult
+from cdlm_serve.engine.compaction import attention_matching as am
+from cdlm_serve.engine.compaction import baselines
+from cdlm_serve.engine.compaction import row as kv_compaction
+from cdlm_serve.engine.compaction.attention_matching import HeadInputs, HeadResult
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.sources import resolve
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.models import kernels
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.sources import DEFAULT_AR_MODEL, resolve

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cdlm_serve.engine.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.models.kv_cache import KVCache
 
 COLORS = [
@@ -168,7 +168,7 @@ def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
 
 
 # The reconstruction probe's instruction: other words than the repeat instruction the
-# reference queries are captured after (engine.kv_compaction.REPEAT_INSTRUCTION), so that the
+# reference queries are captured after (engine.compaction.row.REPEAT_INSTRUCTION), so that the
 # probe is not the very input AM and KVzip were fitted on.
 RECON_INSTRUCTION = (
     "\n\nNow write out once more the passage you have just read, from its start.\n\n"

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from cdlm_serve.bench import cdlm_suites
-from cdlm_serve.engine.ar_engine import AREngine
-from cdlm_serve.engine.dlm_engine import DLMEngine
-from cdlm_serve.engine.kv_compaction import compact_row
-from cdlm_serve.engine.sampling import SamplingParams
+from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.decoding.ar_engine import AREngine
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
+from cdlm_serve.engine.decoding.sampling import SamplingParams
 from cdlm_serve.engine.served_model import load_tokenizer
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.config import ModelConfig

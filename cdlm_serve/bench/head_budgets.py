@@ -1,7 +1,7 @@
 """A measured budget schedule for a model: how much each KV head's slots matter to its answers.
 
     python -m cdlm_serve.bench.head_budgets [--contexts 4] [--ratio 10]
-                                            [--out engine/budget_schedules/M.json]
+                                            [--out engine/compaction/budget_schedules/M.json]
 
 The AM paper's non-uniform budgets, measured offline once per model (its influence curves):
 on calibration contexts (Python standard-library docstrings with the compaction bench's
@@ -16,7 +16,7 @@ the measured points; a head whose loss does not fall with more slots gains nothi
 
 The schedule spends the same total, layers x heads x t, where the curves fall fastest: every
 head from t/2, the slots to the steepest segments first. Its shares (a head's slots over the
-total) are written to `--out`; `engine.compaction_budgets.from_schedule` applies them at any
+total) are written to `--out`; `engine.compaction.budgets.from_schedule` applies them at any
 ratio. A head's swapped segment is padded to 8t with masked slots (zero K/V, -inf bias, which
 change no logits), so every head of a layer keeps one length while the others stay at t.
 """
@@ -36,9 +36,9 @@ from torch import Tensor
 
 from cdlm_serve.bench.compaction import QUERY_SOURCE, save_json
 from cdlm_serve.bench.facts import answer_loss, make_context
-from cdlm_serve.engine.compaction_budgets import SCHEDULE_MOST, schedule_name
-from cdlm_serve.engine.compaction_queries import reference_queries
-from cdlm_serve.engine.kv_compaction import compact_row
+from cdlm_serve.engine.compaction.budgets import SCHEDULE_MOST, schedule_name
+from cdlm_serve.engine.compaction.queries import reference_queries
+from cdlm_serve.engine.compaction.row import compact_row
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.sources import DEFAULT_AR_MODEL, resolve
@@ -302,7 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="the schedule JSON: engine/budget_schedules/NAME.json")
+    p.add_argument(
+        "--out", type=Path, help="the schedule JSON: engine/compaction/budget_schedules/NAME.json"
+    )
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer

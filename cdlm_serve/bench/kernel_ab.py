@@ -27,7 +27,7 @@ import torch
 
 from cdlm_serve.bench.decode import PROMPT
 from cdlm_serve.bench.quantized import _decode_tok_s
-from cdlm_serve.engine.ar_engine import AREngine
+from cdlm_serve.engine.decoding.ar_engine import AREngine
 from cdlm_serve.models import kernels
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.quantize import quantize_model

@@ -35,7 +35,7 @@ import httpx
 from cdlm_serve.bench.load import PROMPTS, austen_ids, free_port, pct, rss_mb, start, stop
 from cdlm_serve.models.sources import DEFAULT_AR_MODEL, DEFAULT_DLM_MODEL
 
-DECODINGS = ("cdlm", "fast_dllm", "vanilla")  # the built-in modes (engine.dlm_modes.MODES)
+DECODINGS = ("cdlm", "fast_dllm", "vanilla")  # the built-in modes (engine.decoding.dlm_modes.MODES)
 PHASES = {
     "ar": ("ar", "ar-stream"),
     "dlm": ("dlm",),

@@ -1,5 +1,5 @@
 """Online compaction, measured: a session fed a long text in chunks, compacting itself by its
-policy (`engine.auto_compaction.AutoCompact`, the server's own rule), against the full cache
+policy (`engine.compaction.auto.AutoCompact`, the server's own rule), against the full cache
 and against StreamingLLM held to the same size.
 
     python -m cdlm_serve.bench.online_compaction [--tokens 8000] [--chunk 256] [--max-tokens 768]
@@ -42,8 +42,8 @@ from torch import Tensor
 
 from cdlm_serve.bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
 from cdlm_serve.bench.facts import Probe, fact_nlls, kept, make_context, measure
-from cdlm_serve.engine.auto_compaction import AutoCompact
-from cdlm_serve.engine.kv_compaction import CompactionReport, compact_row
+from cdlm_serve.engine.compaction.auto import AutoCompact
+from cdlm_serve.engine.compaction.row import CompactionReport, compact_row
 from cdlm_serve.models import kernels
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model

@@ -2,7 +2,7 @@
 budgets decode as fast as one compacted with uniform budgets to the same average size?
 
 A non-uniform segment is as long as its longest head in the running batch row (the other heads'
-extra slots are padding, a -inf bias: engine/ragged.py); the CPU decode kernel skips that
+extra slots are padding, a -inf bias: engine/sessions/ragged.py); the CPU decode kernel skips that
 padding, so a head pays for its own slots only. Through a real server: `--sessions` sessions
 per kind, each of `--context` Austen tokens compacted `--ratio`x with `--method` (uniform, then
 the model's shipped `measured` schedule), then `--rounds` rounds of greedy completions of

@@ -1,6 +1,6 @@
 """The engine's own thread, and the bridge between it and the server's event loop.
 
-An engine (`engine.interface.Engine`) is only ever used from one thread: this one. Its loop
+An engine (`engine.decoding.interface.Engine`) is only ever used from one thread: this one. Its loop
 admits new sequences, runs one `step`, and hands each request's outputs to the asyncio queue of
 the coroutine waiting for them; a request arrives as a function that builds its sequence (given
 an `aborted()` check), and leaves as an async iterator of its outputs. A consumer that goes away
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.interface import Engine, EngineOutput
+from cdlm_serve.engine.decoding import Engine, EngineOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cdlm_serve.engine.unmasking import steps_problem
+
+def steps_problem(steps: int, block_size: int, answer: int) -> str | None:
+    """Why `steps` cannot decode an answer of `answer` tokens (a whole number of blocks), or
+    None: the steps spread evenly over the blocks (as LLaDA requires), at most one per answer
+    token (each step is a forward pass)."""
+    blocks = answer // block_size
+    if steps % blocks == 0 and blocks <= steps <= answer:
+        return None
+    return (
+        f"steps ({steps}) must be a multiple of the number of blocks ({blocks}: the answer of "
+        f"{answer} tokens in blocks of {block_size}) and at most {answer}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

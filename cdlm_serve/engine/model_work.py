@@ -14,12 +14,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from cdlm_serve.engine.compaction_queries import OnEngine, inline
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.transformer import Transformer
+
+T = TypeVar("T")
+# Runs one piece of model work where the model may be used, and returns its result.
+OnEngine = Callable[[Callable[[], T]], T]
+
+
+def inline(fn: Callable[[], T]) -> T:
+    """Run model work right here (benchmarks, tests, a model nobody else is using)."""
+    return fn()
+
 
 CHUNK_TOKENS = 512
 # Free slots a prefilled session's cache gets past its tokens: its next turn's first tokens

@@ -11,14 +11,18 @@ from typing import Any, Protocol
 
 import torch
 
-from cdlm_serve.engine import compaction_budgets, sampling
-from cdlm_serve.engine.ar_engine import AREngine, ARSequence
+from cdlm_serve.engine.compaction import load_schedule
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.dlm_engine import DLMEngine
-from cdlm_serve.engine.dlm_sequence import DLMSequence
+from cdlm_serve.engine.decoding import (
+    FUSED_PREFILL_TOKENS,
+    AREngine,
+    ARSequence,
+    DLMEngine,
+    DLMSequence,
+    PrefixCache,
+    eos_token_ids,
+)
 from cdlm_serve.engine.engine_thread import EngineThread
-from cdlm_serve.engine.model_runner import FUSED_PREFILL_TOKENS
-from cdlm_serve.engine.prefix_cache import PrefixCache
 from cdlm_serve.models import kernels
 from cdlm_serve.models.config import ModelConfig
 from cdlm_serve.models.loading import load_model
@@ -59,7 +63,8 @@ class ServedModel:
     created: int
     max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
     chat_template: str | None = None  # the tokenizer's, if it has one (else no chat route)
-    # Compaction budgets measured for this model (engine/budget_schedules/), if any shipped.
+    # Compaction budgets measured for this model (engine/compaction/budget_schedules/), if any
+    # shipped.
     budget_schedule: list[list[float]] | None = None
     # The token a text starting a sequence begins with, where the tokenizer adds one (Gemma's
     # <bos>: without it the model's outputs fall apart); None where it adds none (SmolLM2).
@@ -79,7 +84,7 @@ class ServedModel:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens an answer stops at (the config's and the tokenizer's)."""
-        return sampling.eos_token_ids(self.config.eos_token_ids, self.tokenizer)
+        return eos_token_ids(self.config.eos_token_ids, self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; ValueError, before tokenizing, for a text so long that even
@@ -219,7 +224,7 @@ def load_served_model(
         created=int(time.time()),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
         chat_template=getattr(tokenizer, "chat_template", None),  # tokenizers without one
-        budget_schedule=compaction_budgets.load_schedule(spec, ckpt.config),
+        budget_schedule=load_schedule(spec, ckpt.config),
         bos_id=None if ckpt.config.is_diffusion else _added_bos(tokenizer),
     )
 

@@ -11,13 +11,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from cdlm_serve.engine.session_mirror import SessionMirror
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions import SessionMirror, SessionStore
 from cdlm_serve.models.fetch import serve_home
-from cdlm_serve.server import response_retention, responses_api, routes, sessions_api
+from cdlm_serve.server import response_retention
 from cdlm_serve.server.errors import install_error_handlers
 from cdlm_serve.server.request_context import RequestContext
 from cdlm_serve.server.request_limits import BodySizeLimit
+from cdlm_serve.server.routes import ROUTERS, VERSION
 from cdlm_serve.server.state import ServerSettings, ServerState
 
 log = logging.getLogger(__name__)
@@ -79,15 +79,14 @@ def create_app(
         retention.cancel()
         await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
 
-    app = FastAPI(title="cdlm-serve", version=routes.VERSION, lifespan=lifespan)
+    app = FastAPI(title="cdlm-serve", version=VERSION, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outermost (added last): counts every answer, the 401s and 413s too.
     app.add_middleware(RequestContext, api_key=settings.api_key, count=state.metrics.count_http)
 
-    app.include_router(routes.router)
-    app.include_router(sessions_api.router)
-    app.include_router(responses_api.router)
+    for router in ROUTERS:
+        app.include_router(router)
     _document_models(app, [spec.name for spec in settings.models])
     return app

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cdlm_serve.engine.interface import TokenLogprob
+from cdlm_serve.engine.decoding import TokenLogprob
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from cdlm_serve.engine.compaction_queries import OnEngine
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.session import Session
+from cdlm_serve.engine.model_work import OnEngine
+from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Compactions of a session in the server: one compaction (`compact`: checked, run on the
 compaction thread (`server.compaction_thread`), committed), and the online compactions a
-session's policy asks for (`after_append`, `engine.auto_compaction`)."""
+session's policy asks for (`after_append`, `engine.compaction.auto`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import math
 from typing import Any
 
 from cdlm_serve.engine import heap
-from cdlm_serve.engine.compaction_options import resolve_key_queries
-from cdlm_serve.engine.kv_compaction import compact_row
+from cdlm_serve.engine.compaction import compact_row, resolve_key_queries
 from cdlm_serve.engine.served_model import ServedModel
-from cdlm_serve.engine.session import Session
+from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.schemas import CompactRequest
 from cdlm_serve.server.session_access import load_cache, locked, persist, spill

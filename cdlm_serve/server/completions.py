@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdlm_serve.engine import model_work
-from cdlm_serve.engine.interface import TokenLogprob
+from cdlm_serve.engine.decoding import TokenLogprob
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.planning import (

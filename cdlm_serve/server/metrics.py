@@ -173,7 +173,7 @@ class Metrics:
         self.e2e_latency.labels(model).observe(seconds)
 
     def observe_ar_sequence(self, model: str, seq: Any) -> None:
-        """A finished (or aborted) AR sequence (engine.ar_engine.ARSequence), as the engine
+        """A finished (or aborted) AR sequence (engine.decoding.ar_engine.ARSequence), as the engine
         saw it: tokens it really decoded, and its timing."""
         self.request_prompt_tokens.labels(model).observe(len(seq.prompt))
         self.request_generation_tokens.labels(model).observe(seq.generated)
@@ -187,8 +187,8 @@ class Metrics:
                 itl.observe(b - a)
 
     def observe_dlm_sequence(self, model: str, decoding: str, seq: Any, seconds: float) -> None:
-        """A finished (or aborted) diffusion sequence (engine.dlm_sequence.DLMSequence): its
-        steps, the tokens each step finalized and the steps each block took (vLLM's terms)."""
+        """A finished (or aborted) diffusion sequence (engine.decoding.dlm_sequence.DLMSequence):
+        its steps, the tokens each step finalized and the steps each block took (vLLM's terms)."""
         self.dlm_steps.labels(model, decoding).observe(seq.steps)
         self.diffusion_denoising_steps.labels(model).inc(seq.steps)
         self.diffusion_committed_tokens.labels(model).inc(sum(seq.tokens_per_step))

@@ -13,15 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdlm_serve.engine import limits
-from cdlm_serve.engine.ar_engine import ARSequence
-from cdlm_serve.engine.dlm_engine import DLMEngine
-from cdlm_serve.engine.dlm_sequence import DLMParams, DLMSequence
+from cdlm_serve.engine.decoding import (
+    DREAM_ALGS,
+    LLADA_REMASKING,
+    ARSequence,
+    DLMEngine,
+    DLMParams,
+    DLMSequence,
+    EngineOutput,
+    SamplingParams,
+)
 from cdlm_serve.engine.engine_thread import QueueFull
-from cdlm_serve.engine.interface import EngineOutput
-from cdlm_serve.engine.sampling import SamplingParams
 from cdlm_serve.engine.served_model import ServedModel
-from cdlm_serve.engine.session import Session
-from cdlm_serve.engine.unmasking import DREAM_ALGS, LLADA_REMASKING
+from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.request_limits import MAX_CHOICES

@@ -22,7 +22,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cdlm_serve.engine.session import SESSION_ID_PATTERN
+from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.errors import APIError, error_response
 
 log = logging.getLogger("cdlm_serve.server.app")

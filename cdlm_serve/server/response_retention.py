@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 
-from cdlm_serve.engine.session import Session
+from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.session_access import remove
 from cdlm_serve.server.state import ServerState

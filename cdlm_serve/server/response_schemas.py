@@ -1,4 +1,4 @@
-"""Request bodies of the Responses API (`server/responses_api.py`): OpenAI's fields, checked
+"""Request bodies of the Responses API (`server/routes/responses.py`): OpenAI's fields, checked
 strictly; those this server does not support are accepted in their neutral values only
 (`ResponseCreateRequest.unsupported`), so a client learns of a 400 instead of a silent
 difference."""
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from cdlm_serve.engine.attention_matching import METHODS
-from cdlm_serve.engine.session import SESSION_ID_PATTERN
+from cdlm_serve.engine.compaction import METHODS
+from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import SEED_MAX, SEED_MIN
 from cdlm_serve.server.schemas import STRICT, AutoCompactSpec, CompactOptions
 

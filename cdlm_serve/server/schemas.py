@@ -6,10 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cdlm_serve.engine.attention_matching import METHODS
-from cdlm_serve.engine.compaction_options import BUDGETS, KEY_QUERIES, QUERY_SOURCES
-from cdlm_serve.engine.dlm_modes import MODES
-from cdlm_serve.engine.session import SESSION_ID_PATTERN
+from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, QUERY_SOURCES
+from cdlm_serve.engine.decoding import MODES
+from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import (
     MAX_DLM_STEPS,
     MAX_PROMPTS,
@@ -22,7 +21,7 @@ from cdlm_serve.server.request_limits import (
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-def session_id_field() -> Any:  # the one rule (engine.session_store), as a schema pattern
+def session_id_field() -> Any:  # the one rule (engine.sessions.store), as a schema pattern
     return Field(None, pattern=f"^{SESSION_ID_PATTERN}$")
 
 
@@ -59,8 +58,8 @@ class GenerationRequest(BaseModel):
     # vLLM's: prefix-cache blocks are reused only by requests with the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # Extensions for diffusion models (the OpenAI SDK sends them through `extra_body`).
-    # One of the registered decoding modes (engine.dlm_modes.MODES), read at request time so a
-    # mode registered after import is served too; the schema lists them when it is built.
+    # One of the registered decoding modes (engine.decoding.dlm_modes.MODES), read at request time
+    # so a mode registered after import is served too; the schema lists them when it is built.
     decoding: str | None = Field(
         None, json_schema_extra=lambda schema: schema.update(enum=[*MODES, None])
     )
@@ -223,7 +222,7 @@ SESSION_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class AutoCompactSpec(BaseModel):
-    """A session's online compaction (`engine.auto_compaction.AutoCompact`): whenever an
+    """A session's online compaction (`engine.compaction.auto.AutoCompact`): whenever an
     append takes its cache past `max_tokens` physical slots, the slots before the last
     `keep_recent` are compacted `ratio`x with `method`, between requests."""
 
@@ -255,17 +254,17 @@ class CompactOptions(BaseModel):
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
     method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]
-    # None: the method's own (engine.kv_compaction.default_query_source).
+    # None: the method's own (engine.compaction.row.default_query_source).
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)
     # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).
     quantize: Literal["int8"] | None = None
     # "attention": the KV heads' slots by measured attention; "measured": by the model's
-    # shipped schedule, 400 where it has none (engine.compaction_budgets).
+    # shipped schedule, 400 where it has none (engine.compaction.budgets).
     budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
     # Whose attention ranks the am-highest variants' keys: "context" (the context's own
     # queries, their default) or "reference" (those they are fitted on); None: the method's
-    # own (engine.kv_compaction.default_key_queries).
+    # own (engine.compaction.row.default_key_queries).
     key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]
 
 

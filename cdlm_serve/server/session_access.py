@@ -17,9 +17,14 @@ from typing import TypeVar
 
 from cdlm_serve.engine import heap
 from cdlm_serve.engine.served_model import ServedModel
-from cdlm_serve.engine.session import Session, SessionError, check_id
-from cdlm_serve.engine.session_mirror import MirrorError, SessionConflict
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions import (
+    MirrorError,
+    Session,
+    SessionConflict,
+    SessionError,
+    SessionStore,
+    check_id,
+)
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.state import ServerState

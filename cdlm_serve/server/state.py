@@ -13,11 +13,11 @@ from typing import Annotated
 import torch
 from fastapi import Depends, Request
 
-from cdlm_serve.engine.ar_engine import AREngine
 from cdlm_serve.engine.core_share import CoreShare
+from cdlm_serve.engine.decoding import AREngine
 from cdlm_serve.engine.heap import HeapTrimmer
 from cdlm_serve.engine.served_model import ServedModel, load_served_model
-from cdlm_serve.engine.session_store import SessionStore
+from cdlm_serve.engine.sessions import SessionStore
 from cdlm_serve.server.compaction_thread import Compactions
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from cdlm_serve.engine.dlm_engine import DLMEngine, DLMParams
+from cdlm_serve.engine.decoding import DLMEngine, DLMParams
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.config import ModelConfig
 from cdlm_serve.models.transformer import Transformer

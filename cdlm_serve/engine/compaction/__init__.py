@@ -1,0 +1,39 @@
+"""Compaction: a session's KV cache made smaller by Attention Matching or a baseline.
+
+What the other subsystems use is exported here (the server, the sessions, the served model);
+the modules inside are the algorithm's parts, for this package, the benches and the tests:
+`options` (what can be asked), `queries` (reference queries), `attention_matching` and `nnls`
+(the per-head fit), `baselines`, `budgets` (slots per KV head), `row` (one row end to end:
+`compact_row`), `auto` (a session's online policy), `kv_quant` (a segment as int8 codes).
+"""
+
+from cdlm_serve.engine.compaction.attention_matching import METHODS
+from cdlm_serve.engine.compaction.auto import AutoCompact
+from cdlm_serve.engine.compaction.budgets import SCHEDULE_MOST, load_schedule, schedule_name
+from cdlm_serve.engine.compaction.kv_quant import QuantizedSegment
+from cdlm_serve.engine.compaction.options import (
+    BUDGETS,
+    KEY_QUERIES,
+    QUERY_SOURCES,
+    default_key_queries,
+    resolve_key_queries,
+)
+from cdlm_serve.engine.compaction.queries import reference_queries
+from cdlm_serve.engine.compaction.row import CompactionReport, compact_row
+
+__all__ = [
+    "BUDGETS",
+    "KEY_QUERIES",
+    "METHODS",
+    "QUERY_SOURCES",
+    "SCHEDULE_MOST",
+    "AutoCompact",
+    "CompactionReport",
+    "QuantizedSegment",
+    "compact_row",
+    "default_key_queries",
+    "load_schedule",
+    "reference_queries",
+    "resolve_key_queries",
+    "schedule_name",
+]

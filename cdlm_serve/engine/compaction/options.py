@@ -1,0 +1,135 @@
+"""What a compaction can be asked for: its reference-query sources, key rankings and budgets,
+each method's defaults, and the check of a request's combination (`check_options`)."""
+
+from __future__ import annotations
+
+import torch
+
+from cdlm_serve.engine.compaction.attention_matching import METHODS
+
+QUERY_SOURCES = (
+    "context",
+    "repeat",
+    "repeat-banded",
+    "self-study",
+    "repeat+self-study",
+    "on-policy",
+)
+REPEAT_WINDOW = 512  # repeat-banded: the slots either side of a repeated token's original
+REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same keys)
+# The most context tokens one repeat pass reads: a longer history is read as pieces of
+# REPEAT_PIECE tokens spread evenly over it (its last piece always), so the time a compaction
+# takes stops growing with the session's history (online compaction compacts again and again).
+# The fits take at most max_queries (2,048) of the pooled queries, ~700 tokens' worth at 3 query
+# heads per KV head. 4,096 cost am-h2o 0.61 -> 0.54 of the facts on bench.online_compaction's
+# first context (8K; am-highest-fast 0.52 both, compaction 21-26% faster); at 8,192 nothing
+# within SmolLM2's 8K context changes, and past it a compaction costs what one at 8K does.
+REPEAT_BUDGET = 8192
+REPEAT_PIECE = 512  # a multiple of REPEAT_ROWS: a piece's blocks line up as in the whole pass
+# Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
+BUDGETS = ("uniform", "attention", "measured")
+# Baselines that score keys with the context's own queries, as at prefill time.
+CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
+# ... and those that score none (their queries only measure the output error).
+UNSCORED = ("streaming", "random")
+# Each method's reference queries when a request names none: what its paper uses (Attention
+# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
+# context's own; streaming and random score nothing, the context's queries measure them).
+DEFAULT_QUERY_SOURCE = {
+    m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
+}
+# ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
+# banded pass (on a GPU the band would be a mask over the full attention, no faster); and the
+# methods for sessions compacted again and again, measured online with it (am-h2o, kvzip).
+BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o", "kvzip")
+
+
+# Whose attention ranks the keys of the am-highest variants: the reference queries they are
+# fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context", the
+# paper's context-prefill queries: each KV head ranks by its group's queries at max_queries /
+# group seeded random positions of the context, `context_key_queries`, which re-reads just
+# those tokens from the row's cache; beta and the values stay fitted on the reference
+# queries). Facts kept, 2K contexts, medians of 5, Austen | the Python reference, 10x / 20x
+# (`python -m cdlm_serve.bench.compaction [--text python-reference] --contexts 5 --lengths 2048
+# --ratios 10 20 --methods am-highest am-highest-fast h2o`; +refkeys for the reference's):
+# am-highest 0.36 | 0.45 / 0.16 | 0.22 by the reference -> 0.58 | 0.52 / 0.48 | 0.33
+# by the context; am-highest-fast 0.44 | 0.45 / 0.17 | 0.30 -> 0.56 | 0.53 / 0.43 |
+# 0.32; H2O, the best baseline, 0.53 | 0.46 / 0.25 | 0.17. The repeat queries mostly read
+# the token each one copies; later questions read the keys the context's own queries did.
+# (Fitting beta and the values on the context queries too is what does not carry over:
+# continuation probe down to -17.) The price, at 4K tokens on 2 cores (fp32, AVX2,
+# `--timing`, two runs each, alternating): am-highest-fast 29.6 / 28.3 s by the reference,
+# 34.5 / 34.1 s by the context (a causal pass over the whole context instead: 47.9 / 55.1 s).
+KEY_QUERIES = ("context", "reference")
+# The methods that can rank by the context's; am-h2o only does (H2O's keys by definition: the
+# heavy hitters of the context's own attention, and the recent slots).
+CONTEXT_KEYED = ("am-highest", "am-highest-fast", "am-h2o")
+CONTEXT_KEYED_ONLY = ("am-h2o",)
+
+
+def default_key_queries(method: str) -> str:
+    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES): the
+    context's, for the methods that can."""
+    return "context" if method in CONTEXT_KEYED else "reference"
+
+
+def resolve_key_queries(method: str, key_queries: str | None) -> str:
+    """`key_queries` checked for `method` (ValueError if unknown or not for it), or the
+    method's own where None."""
+    key_queries = key_queries or default_key_queries(method)
+    if key_queries not in KEY_QUERIES:
+        raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
+    if key_queries == "context" and method not in CONTEXT_KEYED:
+        raise ValueError(
+            f"key_queries='context' ranks the keys of {', '.join(CONTEXT_KEYED)}, not {method}'s"
+        )
+    if key_queries == "reference" and method in CONTEXT_KEYED_ONLY:
+        raise ValueError(f"{method}'s keys are ranked by the context's queries only")
+    return key_queries
+
+
+def default_query_source(method: str, device: torch.device) -> str:
+    """The reference queries `method` takes on `device` when a request names none."""
+    if method in BANDED_ON_CPU and device.type == "cpu":
+        return "repeat-banded"
+    return DEFAULT_QUERY_SOURCE[method]
+
+
+REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
+STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
+
+
+def check_options(
+    method: str,
+    query_source: str,
+    budgets: str,
+    quantize: str | None,
+    length: int,
+    keep_recent: int,
+    target: int,
+) -> int:
+    """The compaction a request asks for, checked (ValueError saying what is wrong); returns
+    the region it compacts, the row's first `length - keep_recent` slots."""
+    if method not in METHODS:
+        raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
+    if method in CONTEXT_SCORED and query_source != "context":
+        raise ValueError(
+            f"{method} scores keys with the context's own queries: query_source must be "
+            f"'context', not {query_source!r}"
+        )
+    if query_source not in QUERY_SOURCES:
+        raise ValueError(
+            f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
+        )
+    region = length - keep_recent
+    if keep_recent < 0 or region < 1:
+        raise ValueError(f"keep_recent={keep_recent} leaves nothing of {length} slots to compact")
+    if not 1 <= target <= region:
+        raise ValueError(f"target {target} must be between 1 and the {region} slots compacted")
+    if budgets not in BUDGETS:
+        raise ValueError(f"unknown budgets {budgets!r}; known: {', '.join(BUDGETS)}")
+    if budgets == "attention" and query_source == "on-policy":
+        raise ValueError("budgets by attention need every layer's queries first: not on-policy")
+    if quantize not in (None, "int8"):  # checked before the row changes
+        raise ValueError(f"unknown quantization {quantize!r}; known: int8")
+    return region

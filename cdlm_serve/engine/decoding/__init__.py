@@ -1,0 +1,37 @@
+"""Decoding: the engines that turn prompts into tokens, one step at a time.
+
+What the server and the served model use is exported here: the two engines (`AREngine`,
+`DLMEngine`) and their contract (`Engine`, `EngineOutput`), the parameters a request sets
+(`SamplingParams`, `DLMParams`), the diffusion decoding modes' registry (`MODES`). Inside:
+`scheduler` (rows, admission, aborts), `model_runner` (one forward for a step's rows),
+`sampling`, `unmasking`, `text_output`, `prefix_cache`, `dlm_sequence`, `dlm_modes/`.
+"""
+
+from cdlm_serve.engine.decoding.ar_engine import AREngine, ARSequence
+from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
+from cdlm_serve.engine.decoding.dlm_modes import MODES
+from cdlm_serve.engine.decoding.dlm_sequence import DLMParams, DLMSequence
+from cdlm_serve.engine.decoding.interface import Engine, EngineOutput, TokenLogprob
+from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelRunner
+from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+from cdlm_serve.engine.decoding.sampling import SamplingParams, eos_token_ids
+from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
+
+__all__ = [
+    "DREAM_ALGS",
+    "FUSED_PREFILL_TOKENS",
+    "LLADA_REMASKING",
+    "MODES",
+    "AREngine",
+    "ARSequence",
+    "DLMEngine",
+    "DLMParams",
+    "DLMSequence",
+    "Engine",
+    "EngineOutput",
+    "ModelRunner",
+    "PrefixCache",
+    "SamplingParams",
+    "TokenLogprob",
+    "eos_token_ids",
+]

@@ -1,0 +1,345 @@
+"""Autoregressive generation with continuous batching.
+
+Each running sequence owns one row of a shared KV cache (rows, admission, aborts and retiring:
+`engine.decoding.scheduler`). A step hands the model one token for every decoding sequence and
+chunks of the prompts still being prefilled (`prefill_tokens` per step at most: chunked prefill, so
+a long prompt never stalls the others for more than one chunk), in one call
+(`ModelRunner.extend`, which picks the fused CPU step or the PyTorch path), and samples a
+token for every decoding row and every prompt just completed. A sequence may continue from a
+session's cache (copied into its row when it is admitted) and write its answer back into it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from cdlm_serve.engine import heap, limits
+from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
+from cdlm_serve.engine.decoding.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+from cdlm_serve.engine.decoding.sampling import (
+    SamplingParams,
+    eos_token_ids,
+    make_generator,
+    sample,
+)
+from cdlm_serve.engine.decoding.scheduler import ScheduledEngine, Scheduler
+from cdlm_serve.engine.decoding.text_output import TextAssembler
+from cdlm_serve.models import kernels
+from cdlm_serve.models.kv_cache import KVCache
+from cdlm_serve.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from cdlm_serve.engine.sessions import Session
+
+
+@dataclass(eq=False, slots=True)
+class ARSequence:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    budget: int
+    text: TextAssembler
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    aborted: Callable[[], bool] = lambda: False
+    # Continue from a session's cache (engine.sessions.store.Session); with `append`, the prompt and
+    # the answer are written back into the session when the sequence finishes.
+    session: Session | None = None
+    append: bool = True
+    row: int = -1
+    compacted: bool = False  # its row holds a compacted segment (per-key biases)
+    prefilled: int = 0  # prompt tokens already in the cache (long prompts join in chunks)
+    next_input: int | None = None  # the last sampled token: the next step runs it
+    generated: int = 0
+    run_tokens: list[int] = field(default_factory=list)  # sampled tokens already in the cache
+    last_token: int | None = None  # the final sampled token (never run), once finished
+    finish_reason: str | None = None
+    cached: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
+    # Timing, for metrics (perf_counter seconds).
+    arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # set by the scheduler
+    token_times: list[float] = field(default_factory=list)
+
+
+INITIAL_SLOTS = 256  # per row of a new batch cache; it grows for longer rows
+GROWTH_HEADROOM = 256  # answer tokens a new row gets room for when the cache grows for it
+# Prompt tokens one step prefills, all new rows together (chunked prefill). A longer prompt
+# joins over several steps, and the running rows decode at every one of them.
+PREFILL_TOKENS_PER_STEP = 512
+ROWS = "rows"  # the scheduler's one group: every sequence shares the batch cache
+
+
+def _session_slots(seq: ARSequence) -> int:
+    """Committed slots of the session a sequence continues from (0 without one)."""
+    cache = None if seq.session is None else seq.session.cache
+    return 0 if cache is None else cache.lengths[0]
+
+
+class AREngine(ScheduledEngine[ARSequence]):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Any,
+        max_model_len: int,
+        max_batch: int = 8,
+        prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        self.model = model
+        # Automatic prefix caching (engine.decoding.prefix_cache); None turns it off. Off for models
+        # with sliding-window layers: it keeps blocks of global slots, not the ring a block's
+        # window needs (`models.window_cache`).
+        self.prefix_cache = None if model.config.local_layers else prefix_cache
+        self.runner = ModelRunner(model)
+        self.prefill_tokens = prefill_tokens
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids(model.config.eos_token_ids, tokenizer)
+        self.scheduler: Scheduler[ARSequence] = Scheduler(
+            max_batch,
+            group_of=lambda seq: ROWS,
+            abort_output=lambda seq: EngineOutput(seq.id, [], "", "abort"),
+            move_row=self._move_row,
+            release=self._release,
+        )
+        self.cache: KVCache | None = None
+        # Build the fused CPU decode step now (it packs a copy of the weights, ~0.5 s for
+        # SmolLM2) rather than inside the first request; None where it does not apply.
+        self.runner.stack()
+
+    # ---- requests --------------------------------------------------------------------------
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        aborted: Callable[[], bool] = lambda: False,
+        session: Session | None = None,
+        append: bool = True,
+    ) -> ARSequence:
+        history = 0 if session is None else session.logical_length
+        problem = limits.ar_problem(
+            len(prompt), params.max_tokens, history, self.max_model_len, clamp=True
+        )
+        if problem is not None:
+            raise ValueError(problem.message)
+        budget = min(params.max_tokens, self.max_model_len - history - len(prompt))
+        generator = None if params.greedy else make_generator(params.seed, self.model.device)
+        return ARSequence(
+            id=request_id,
+            prompt=list(prompt),
+            params=params,
+            budget=budget,
+            text=TextAssembler(self.tokenizer, list(params.stop)),
+            stop_ids=params.stop_ids(self.eos_token_ids),
+            generator=generator,
+            aborted=aborted,
+            session=session,
+            append=append,
+        )
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step, whose state cannot be trusted)."""
+        self.scheduler.reset()
+        self.cache = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    @property
+    def running(self) -> list[ARSequence]:
+        """The running sequences; row i is running[i]."""
+        return self.scheduler.group(ROWS)
+
+    def kv_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.allocated_bytes()
+
+    def kv_usage(self) -> float:
+        """Fraction of the allocated KV slots that hold committed tokens."""
+        if self.cache is None:
+            return 0.0
+        return sum(self.cache.lengths) / (self.cache.batch * self.cache.capacity)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        aborted: Callable[[], bool] = lambda: False,
+    ) -> Iterator[EngineOutput]:
+        """One request alone (the engine must be otherwise idle); yields its outputs."""
+        seq = self.new_sequence("single", prompt_ids, params, aborted)
+        self.add(seq)
+        while self.has_work():
+            yield from (o for o in self.step() if o.request_id == seq.id)
+
+    # ---- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        joined = self.scheduler.schedule(outputs).get(ROWS, [])
+        if joined:
+            self._load_rows(joined)
+        if self.running:
+            assert self.cache is not None  # every running row has one
+            seqs, chunks = self._plan()
+            hidden = self.runner.extend(chunks, self.cache)  # [len(chunks), hidden]
+            logits = self.model.logits(hidden)  # [len(chunks), V]
+            for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
+                if seq.prefilled == len(seq.prompt):  # a decode step
+                    outputs.append(self._accept(seq, logits[i]))
+                    continue
+                seq.prefilled += len(tokens)
+                self._keep_prefix(seq, seq.prompt[: seq.prefilled], len(tokens))
+                if seq.prefilled == len(seq.prompt):  # the prompt is in: its first token
+                    outputs.append(self._accept(seq, logits[i]))
+        self.scheduler.retire_finished()
+        self._shed()
+        return outputs
+
+    def _cache_for(self, needed: int) -> KVCache:
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_batch, max(needed, INITIAL_SLOTS))
+        self.cache.ensure_capacity(needed)  # grow the parent: row views share its buffers
+        return self.cache
+
+    def _plan(self) -> tuple[list[ARSequence], list[tuple[int, list[int]]]]:
+        """This step's work, as (sequence, (row, tokens)) pairs: one token for every decoding
+        row, and prompt chunks, oldest first, up to `prefill_tokens` together (chunked
+        prefill: a long prompt joins over several steps, so decoding rows never wait for more
+        than one chunk)."""
+        seqs: list[ARSequence] = []
+        chunks: list[tuple[int, list[int]]] = []
+        for seq in self.running:
+            if seq.prefilled == len(seq.prompt):
+                assert seq.next_input is not None
+                seqs.append(seq)
+                chunks.append((seq.row, [seq.next_input]))
+        budget = self.prefill_tokens
+        for seq in self.running:
+            todo = len(seq.prompt) - seq.prefilled
+            if todo and budget > 0:
+                n = min(todo, budget)
+                seqs.append(seq)
+                chunks.append((seq.row, seq.prompt[seq.prefilled : seq.prefilled + n]))
+                budget -= n
+        return seqs, chunks
+
+    def _load_rows(self, new: list[ARSequence]) -> None:
+        """Rows for sequences that just joined: fresh, or loaded from their session (their
+        prompts are prefilled by the coming steps)."""
+        # Room for the prompts and some of the answers: growing the batch cache copies every
+        # row, so a row that would grow again a few tokens later is given headroom now.
+        cache = self._cache_for(
+            max(_session_slots(s) + len(s.prompt) + min(s.budget, GROWTH_HEADROOM) for s in new)
+        )
+        for seq in new:
+            if _session_slots(seq):  # continue from the session's (maybe compacted) cache
+                assert seq.session is not None and seq.session.cache is not None
+                cache.load_row(seq.row, seq.session.cache)
+                seq.compacted = seq.session.cache.biases is not None
+            elif self.prefix_cache is not None and seq.session is None:
+                blocks = self.prefix_cache.match(seq.prompt, seq.params.cache_salt)
+                seq.cached = seq.prefilled = self.prefix_cache.load(blocks, cache, seq.row)
+            else:
+                cache.reset(seq.row)
+
+    def _keep_prefix(self, seq: ARSequence, tokens: list[int], added: int) -> None:
+        """Offer the row's full blocks to the prefix cache once `added` tokens completed at
+        least one more (`tokens` are the row's committed slots; sessions keep their own)."""
+        pc, cache = self.prefix_cache, self.cache
+        if pc is None or seq.session is not None or cache is None:
+            return
+        if cache.logical[seq.row] != cache.lengths[seq.row]:
+            return  # not its tokens at their own positions: an optimization never fails a step
+        if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
+            pc.insert(tokens, cache, seq.row, seq.params.cache_salt)
+
+    def _sample(self, seq: ARSequence, logits: Tensor) -> int:
+        if seq.params.greedy:
+            return int(kernels.argmax(logits[None])[0])
+        return int(sample(logits[None], seq.params, seq.generator)[0])
+
+    def _accept(self, seq: ARSequence, logits: Tensor) -> EngineOutput:
+        """Sample the next token of `seq` from its logits [V] and say what it adds."""
+        token = self._sample(seq, logits)
+        if seq.next_input is not None:  # the previous token has just been run through the model
+            seq.run_tokens.append(seq.next_input)
+        seq.last_token = token
+        seq.generated += 1
+        seq.token_times.append(time.perf_counter())
+        lps = (
+            [self._logprob(logits, token, seq.params.logprobs)]
+            if seq.params.logprobs is not None
+            else []
+        )
+        if token in seq.stop_ids:
+            # Counted as generated (as OpenAI and vLLM do), never shown as text.
+            return self._finish(seq, EngineOutput(seq.id, [token], seq.text.flush(), "stop", lps))
+        delta = seq.text.push(token)
+        if delta.stopped:
+            return self._finish(seq, EngineOutput(seq.id, [token], delta.text, "stop", lps))
+        if seq.generated >= seq.budget:
+            out = EngineOutput(seq.id, [token], delta.text + seq.text.flush(), "length", lps)
+            return self._finish(seq, out)
+        seq.next_input = token
+        return EngineOutput(seq.id, [token], delta.text, None, lps)
+
+    @staticmethod
+    def _logprob(logits: Tensor, token: int, top_k: int) -> TokenLogprob:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = []
+        if top_k > 0:
+            values, ids = logp.topk(top_k)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, float(logp[token]), top)
+
+    def _write_back(self, seq: ARSequence) -> None:
+        """The session now holds the prompt and the answer. The last sampled token was never
+        run through the model: it stays the session's next input, run first by the next
+        request."""
+        assert self.cache is not None and seq.session is not None  # _release checked the session
+        # A normal tensor, not an inference one (step() runs in inference mode): a later
+        # compaction writes into the session's cache in place.
+        with torch.inference_mode(False):
+            cache = self.cache.extract_row(seq.row)
+        if not seq.compacted:
+            cache.biases = None  # other rows' segments made the batch carry (zero) biases
+        seq.session.extend(cache, seq.prompt + seq.run_tokens, seq.last_token)
+
+    def _finish(self, seq: ARSequence, out: EngineOutput) -> EngineOutput:
+        seq.finish_reason = out.finish_reason
+        out.cached_tokens = seq.cached
+        return out
+
+    def _release(self, seq: ARSequence) -> None:
+        if seq.session is not None and seq.append and seq.finish_reason in ("stop", "length"):
+            self._write_back(seq)
+        if seq.prefilled == len(seq.prompt) and seq.run_tokens:
+            # The answer's blocks too: a chat's next turn starts with this whole exchange.
+            self._keep_prefix(seq, seq.prompt + seq.run_tokens, len(seq.run_tokens))
+
+    def _move_row(self, group: str, src: int, dst: int) -> None:
+        if self.cache is not None:
+            self.cache.move_row(src, dst)
+
+    def _shed(self) -> None:
+        """Leave nothing behind that later steps would pay for: the per-key biases once no
+        row holds a compacted segment (every step would add them, through a float mask or the
+        kernel's bias path), and, once idle, a cache grown past its first size for a long
+        prompt or session (its memory). (A window layer's ring stays as a prompt's chunk grew
+        it: at most window + prefill_tokens slots a row, and trimming it each time the engine
+        idles would copy it back and forth between requests.)"""
+        if self.cache is None:
+            return
+        if self.cache.biases is not None and not any(s.compacted for s in self.running):
+            self.cache.biases = None  # the other rows' biases are all zero: exact
+        if not self.scheduler.has_work() and self.cache.capacity > INITIAL_SLOTS:
+            heap.freed(self.cache.allocated_bytes())  # on CPU, glibc keeps it unless trimmed
+            self.cache = None
