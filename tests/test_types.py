@@ -1,7 +1,7 @@
-"""The typed boundary: engine/ and server/ pass `mypy --strict` (settings in pyproject.toml), so the
-contract between the server and the engines (`engine/interface.py`) is checked, not only
-written; and the server does not probe engines, requests or models with `getattr` (or
-`hasattr`, or `operator.attrgetter`)."""
+"""The typed boundary: engine/, server/ and models/ pass `mypy --strict` (settings in
+pyproject.toml), so the contract between the server and the engines
+(`engine/decoding/interface.py`) is checked, not only written; and the server does not probe
+engines, requests or models with `getattr` (or `hasattr`, or `operator.attrgetter`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ALLOWED_GETATTR = {
 }
 
 
-def test_engine_and_server_pass_mypy_strict():
+def test_engine_server_and_models_pass_mypy_strict():
     run = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-incremental"],
         cwd=REPO,

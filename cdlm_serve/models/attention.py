@@ -17,6 +17,7 @@ compacted slots) are folded in per layer by `with_key_bias`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -126,7 +127,9 @@ class Band:
         new = [(cached + a, cached + b) for a, b in self.new_ranges(block, start)]
         return self.cached_ranges(block, cached) + new
 
-    def visible(self, start: int, stop: int, q_len: int, key_len: int, device) -> Tensor:
+    def visible(
+        self, start: int, stop: int, q_len: int, key_len: int, device: torch.device
+    ) -> Tensor:
         """bool [stop - start, key_len]: which keys new tokens [start, stop) of Q = q_len see
         (the keys end with the new tokens)."""
         cached = key_len - q_len
@@ -155,7 +158,7 @@ def reread_mask(slots: Tensor, cached: int) -> AttentionMask:
     return AttentionMask(visible[None, None], False, visible.shape[1], reread=slots)
 
 
-def disjoint(ranges, first: int, end: int) -> list[tuple[int, int]]:
+def disjoint(ranges: Iterable[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]]:
     """Index ranges [lo, hi) clipped to [first, end), merged where they overlap, in order."""
     clipped = []
     for lo, hi in ranges:

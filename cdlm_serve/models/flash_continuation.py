@@ -26,6 +26,8 @@ the same error against an fp32 softmax (2.3e-3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -34,7 +36,9 @@ from cdlm_serve.models.attention import AttentionMask, Band, disjoint
 
 # The CPU flash kernel, which also returns each row's log-sum-exp (a private ATen op: where a
 # torch build lacks it, attention takes the masked path).
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH: Callable[..., tuple[Tensor, ...]] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
+)
 
 
 def applies(q: Tensor, mask: AttentionMask) -> bool:
@@ -170,13 +174,14 @@ def _merge(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> Tensor:
     """The parts' outputs [B, H, c, D] weighted by their log-sum-exps [B, H, c]: exact."""
     lse = torch.stack([p[1] for p in parts])  # [P, B, H, c]
     weights = torch.exp(lse - lse.max(dim=0).values)  # [P, B, H, c]
-    out = sum(w[..., None] * p[0].float() for w, p in zip(weights, parts, strict=True))
+    out: Tensor = sum(w[..., None] * p[0].float() for w, p in zip(weights, parts, strict=True))
     return (out / weights.sum(dim=0)[..., None]).to(dtype)
 
 
 def _part(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
+    assert _FLASH is not None  # applies() and rereads() checked it
     out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
     return out, lse
 
@@ -204,7 +209,15 @@ def packed_rows(
     return torch.cat(blocks, dim=2)
 
 
-def _packed(q, packed, scale, lo: int, hi: int, ranges, cached: int) -> Tensor:
+def _packed(
+    q: Tensor,
+    packed: kernels.PackedKV,
+    scale: float,
+    lo: int,
+    hi: int,
+    ranges: list[tuple[int, int]],
+    cached: int,
+) -> Tensor:
     """Rows [lo, hi) over `ranges`, each new token causally: row i below key cached + i + 1."""
     limits = torch.arange(cached + lo + 1, cached + hi + 1)
     return kernels.attend_packed(q[0, :, lo:hi], packed, ranges, scale, limits)[None]

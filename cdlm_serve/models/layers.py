@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def run_through(work: Generator[None, None, Tensor]) -> Tensor:
     try:
         next(work)
     except StopIteration as done:
-        return done.value
+        return cast(Tensor, done.value)
     raise RuntimeError("unexpected pause")
 
 
@@ -69,7 +70,13 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
@@ -83,7 +90,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None, local: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        local: bool = False,
+    ):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -96,8 +109,12 @@ class Attention(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, **kw)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.q_norm = (
+            RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        )
 
     def forward(
         self,
@@ -151,7 +168,7 @@ class Attention(nn.Module):
         if pace is None:
             fused = _fused_decode(q, k, v, mask, bias, self.scale)
             if fused is not None:
-                return self.o_proj(fused)
+                return cast(Tensor, self.o_proj(fused))
         aligned = not mask.is_causal or q.shape[2] == k.shape[2]  # SDPA's causal: K == Q only
         plain = bias is None and mask.visible is None and mask.band is None
         if pace is None and plain and aligned:
@@ -162,7 +179,7 @@ class Attention(nn.Module):
         # The CPU flash parts or the fused kernel (no [Q, K] mask): a causal continuation of a
         # cache, or cached tokens read again; each computes query rows [start, stop).
         rule = _flash_rule(q, mask)
-        outs = []
+        outs: list[Tensor] = []
         if rule is not None:
             flash_rows, fused_rows, max_rows = rule
             if kernels.packs_attention(q, k):  # the fused kernel: one call per chunk
@@ -200,7 +217,7 @@ class Attention(nn.Module):
 
     def _output(self, out: Tensor) -> Tensor:
         batch, h, q_len, d = out.shape  # [B, H, Q, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d))
+        return cast(Tensor, self.o_proj(out.transpose(1, 2).reshape(batch, q_len, h * d)))
 
     @staticmethod
     def _query_chunks(
@@ -249,7 +266,12 @@ def _tokens(table: Tensor, rows: slice) -> Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         inter = cfg.intermediate_size
@@ -260,12 +282,18 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [..., 2I]
         if self.act == "silu":
-            return self.down_proj(kernels.silu_mul(gate_up))
-        return self.down_proj(kernels.gelu_mul(gate_up))
+            return cast(Tensor, self.down_proj(kernels.silu_mul(gate_up)))
+        return cast(Tensor, self.down_proj(kernels.gelu_mul(gate_up)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        layer: int = 0,
+    ):
         super().__init__()
         norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.attn_norm = norm()
@@ -277,7 +305,15 @@ class Block(nn.Module):
         self.mlp_post_norm = norm() if cfg.sandwich_norms else None
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, capture=None
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+        capture: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Pre-norm block on the residual stream. Returns (this block's MLP output, the
         residual stream before it): the add happens inside the next norm, fused."""
@@ -286,7 +322,15 @@ class Block(nn.Module):
         return self._after_attention(h, residual)
 
     def stages(
-        self, x: Tensor, residual: Tensor | None, cos, sin, mask, cache, layer, pace: Pace
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+        pace: Pace,
     ) -> Generator[Tensor | None, None, tuple[Tensor, Tensor]]:
         """forward() in pieces: yields the post-RoPE queries [B, H, Q, D] before attending
         (the caller may change this layer's cache slots meanwhile), then None between the
@@ -378,7 +422,9 @@ def _fused_decode(
     return out.view(batch, 1, -1)
 
 
-def _flash_rule(q: Tensor, mask: AttentionMask) -> tuple[Callable, Callable, int | None] | None:
+def _flash_rule(
+    q: Tensor, mask: AttentionMask
+) -> tuple[Callable[..., Tensor], Callable[..., Tensor], int | None] | None:
     """How query rows of this attention are computed without a [Q, K] mask, where they can be:
     (the flash parts' function, the fused kernel's, the most rows per chunk), else None."""
     if flash_continuation.applies(q, mask):
@@ -388,6 +434,7 @@ def _flash_rule(q: Tensor, mask: AttentionMask) -> tuple[Callable, Callable, int
             None,
         )
     if flash_continuation.rereads(q, mask):
+        assert mask.reread is not None  # what rereads() checked
         return (
             partial(flash_continuation.reread_rows, slots=mask.reread),
             partial(flash_continuation.packed_reread, slots=mask.reread),

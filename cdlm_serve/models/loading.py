@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -31,7 +32,7 @@ class Checkpoint:
     """Weights under their checkpoint names, plus the config that explains them."""
 
     config: ModelConfig
-    raw_config: dict
+    raw_config: dict[str, Any]
     weights: dict[str, Tensor]
     # Folder holding the tokenizer (the base's folder for an adapter); None for a bare GGUF.
     tokenizer_folder: Path | None
@@ -73,6 +74,7 @@ def read_checkpoint(
 ) -> Checkpoint:
     """Read weights and config. `resolve` turns an adapter's base name into a folder."""
     path = Path(source)
+    raw: dict[str, Any] | None  # the HF-style config (None: a folder without config.json)
     if path.is_file() and path.suffix == ".gguf":
         reader = gguf.open_gguf(path)
         raw = gguf.read_config(reader)

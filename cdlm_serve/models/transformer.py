@@ -5,12 +5,13 @@ fused into one projection each (fewer kernel launches per decode step; the loade
 checkpoint's separate matrices). What differs per family lives in `ModelConfig` and in
 `models/weights.py`; what differs per call (attention pattern, positions, cache) is an argument.
 This is the PyTorch model; whether an engine step runs here or through the fused C++ step
-(`models/kernels/`) is the engines' runner's choice (`engine/model_runner.py`).
+(`models/kernels/`) is the engines' runner's choice (`engine/decoding/model_runner.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +42,12 @@ def new_capture(model: Transformer) -> QueryCapture:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(
@@ -95,7 +101,7 @@ class Transformer(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         """ids [...] -> embeddings [..., hidden] (Gemma's scaled by sqrt(hidden), rounded to
         the model's dtype first as its reference does)."""
-        x = self.embed_tokens(input_ids)
+        x = cast(Tensor, self.embed_tokens(input_ids))
         if self.config.embed_scale:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x
@@ -147,8 +153,10 @@ class Transformer(nn.Module):
         """
         if rows is not None and cache is not None:
             view = self._rows_view(cache, rows, input_ids.shape[1])
-            kwargs = {"positions": positions, "pattern": pattern, "valid": valid}
-            out = self.forward(input_ids, cache=view, commit=commit, capture=capture, **kwargs)
+            out = self.forward(
+                input_ids, cache=view, positions=positions, pattern=pattern, valid=valid,
+                commit=commit, capture=capture,
+            )  # fmt: skip
             cache.merge_view(view, rows[0])
             return out
         batch, q_len = input_ids.shape
@@ -160,8 +168,10 @@ class Transformer(nn.Module):
         local = self._local_parts(positions, mask, cache, explicit_positions is not None)
         x = self.embed(input_ids)  # [B, Q, hidden]
         residual = None
-        for i, block in enumerate(self.layers):
-            (c, s), m = local if block.attn.local else ((cos, sin), mask)
+        for i, block in enumerate(cast(Iterable[Block], self.layers)):
+            parts = local if block.attn.local else ((cos, sin), mask)
+            assert parts is not None  # a window layer: the model has window parts
+            (c, s), m = parts
             x, residual = block(
                 x, residual, c, s, m, cache, self.cache_index[i],
                 None if capture is None else capture[i],
@@ -267,8 +277,10 @@ class Transformer(nn.Module):
             mask.band = band
         x = self.embed(input_ids)  # [B, Q, hidden]
         residual = None
-        for i, block in enumerate(self.layers):
-            (c, s), m = local if block.attn.local else ((cos, sin), mask)
+        for i, block in enumerate(cast(Iterable[Block], self.layers)):
+            parts = local if block.attn.local else ((cos, sin), mask)
+            assert parts is not None  # a window layer: the model has window parts
+            (c, s), m = parts
             index = self.cache_index[i]
             x, residual = yield from block.stages(x, residual, c, s, m, cache, index, pace)
         return self._finish(x, residual, cache, commit, q_len, batch, None)
@@ -289,7 +301,17 @@ class Transformer(nn.Module):
         cached_lens = cache.lengths if cache is not None else None
         return build_mask(pattern, positions, cached_lens, valid, q_start)
 
-    def _finish(self, x, residual, cache, commit, q_len, batch, valid) -> Tensor:
+    def _finish(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cache: KVCache | None,
+        commit: bool | int | Sequence[int],
+        q_len: int,
+        batch: int,
+        valid: Tensor | None,
+    ) -> Tensor:
+        assert residual is not None  # the last block's (every model has blocks)
         x, _ = self.norm.add_forward(x, residual)
         if cache is not None and commit is not False:
             cache.commit(self._commit_counts(commit, q_len, batch, valid))
@@ -343,7 +365,7 @@ class Transformer(nn.Module):
         if fused is not None:
             return fused
         if self.lm_head is not None:
-            return self.lm_head(hidden)
+            return cast(Tensor, self.lm_head(hidden))
         return kernels.linear(hidden, self.embed_tokens.weight)
 
     def token_logits(self, hidden: Tensor) -> Tensor:

@@ -177,7 +177,7 @@ def native_to_canonical(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
             for kind in ("weight", "bias"):
                 if pre + f"{native}.{kind}" not in sd:
                     continue
-                pieces = sd[pre + f"{native}.{kind}"].split(split_sizes[native], dim=0)
+                pieces = torch.split(sd[pre + f"{native}.{kind}"], split_sizes[native], dim=0)
                 for part, piece in zip(parts, pieces, strict=True):
                     out[f"model.layers.{i}.{part}.{kind}"] = piece.contiguous()
     return _shift_norms(out, -cfg.norm_offset)

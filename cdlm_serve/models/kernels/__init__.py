@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -219,7 +219,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     k = weight.shape[1]
     rows = x.numel() // k
     if _fast(x, rows, weight, bias) and weight.dtype == torch.bfloat16:
-        y = _kernel.linear_bf16(x.reshape(rows, k).contiguous(), weight, bias)
+        y: Tensor = _kernel.linear_bf16(x.reshape(rows, k).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     if (
         _kernel
@@ -244,7 +244,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim in HF's rounding order: normalize in fp32, cast back, scale."""
     k = x.shape[-1]
     if _fast(x, x.numel() // k, weight):
-        return _kernel.rms_norm_bf16(x.reshape(-1, k).contiguous(), weight, eps).view(x.shape)
+        normed: Tensor = _kernel.rms_norm_bf16(x.reshape(-1, k).contiguous(), weight, eps)
+        return normed.view(x.shape)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -266,7 +267,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     """[..., 2I] (gate, up) -> silu(gate) * up [..., I]."""
     two_i = gate_up.shape[-1]
     if _fast(gate_up, gate_up.numel() // two_i):
-        out = _kernel.silu_mul_bf16(gate_up.reshape(-1, two_i).contiguous())
+        out: Tensor = _kernel.silu_mul_bf16(gate_up.reshape(-1, two_i).contiguous())
         return out.view(*gate_up.shape[:-1], two_i // 2)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -276,7 +277,7 @@ def gelu_mul(gate_up: Tensor) -> Tensor:
     """[..., 2I] (gate, up) -> gelu_tanh(gate) * up [..., I] (Gemma's GeGLU)."""
     two_i = gate_up.shape[-1]
     if _fast(gate_up, gate_up.numel() // two_i):
-        out = _kernel.gelu_mul_bf16(gate_up.reshape(-1, two_i).contiguous())
+        out: Tensor = _kernel.gelu_mul_bf16(gate_up.reshape(-1, two_i).contiguous())
         return out.view(*gate_up.shape[:-1], two_i // 2)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
@@ -339,8 +340,11 @@ def attend_packed(
     fused kernel: scores, an online softmax in fp32 and the weighted values in one pass
     over the keys, no [R, K] scores in memory (`cpu_decode.cpp` attend_packed_bf16)."""
     flat = [x for pair in ranges for x in pair]
-    return _kernel.attend_packed_bf16(
-        q, packed.keys, packed.values, packed.length, flat, limits, scale, packed.bias
+    return cast(
+        Tensor,
+        _kernel.attend_packed_bf16(
+            q, packed.keys, packed.values, packed.length, flat, limits, scale, packed.bias
+        ),
     )
 
 
@@ -365,7 +369,7 @@ def decode_attention(
     or None. Returns [B, H * D]. The fused decode step calls the kernel from C++; this
     function is its reference and its test entry point."""
     if _fast(q) and q.shape[-1] % 32 == 0:
-        return _kernel.decode_attention_bf16(q, keys, values, lengths, scale, bias)
+        return cast(Tensor, _kernel.decode_attention_bf16(q, keys, values, lengths, scale, bias))
     heads, dim = q.shape[1:]
     group = heads // keys.shape[1]
     rows = []
@@ -495,5 +499,5 @@ def argmax(logits: Tensor) -> Tensor:
     """[B, V] -> [B] int64, first index on ties. torch.argmax on CPU takes ~100-250 us for a
     49k vocabulary; the kernel's vector loop (bf16 read as is) a few us."""
     if _kernel and logits.device.type == "cpu" and logits.dim() == 2:
-        return _kernel.argmax_rows(logits)
+        return cast(Tensor, _kernel.argmax_rows(logits))
     return logits.argmax(dim=-1)

@@ -335,7 +335,7 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
       p.resize(blocks * 8);
       seen.resize(blocks);
       // Scores 8 keys at a time, then one transposing reduction for the 8. A key whose bias
-      // is -inf is the padding of non-uniform budgets (engine/ragged.py): its probability is
+      // is -inf is the padding of non-uniform budgets (engine/sessions/ragged.py): its probability is
       // exactly 0, so neither it nor its value is read.
       const __m256 hidden = _mm256_set1_ps(-INFINITY);
       __m256 mx = hidden;

@@ -312,7 +312,7 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
       seen.resize(blocks);
       // Scores 16 keys at a time: D/32 dot-product steps per key, then one transposing
       // reduction for all 16 (a horizontal sum per key would cost ~4x more). A key whose bias
-      // is -inf is the padding of non-uniform budgets (engine/ragged.py: each head's segment
+      // is -inf is the padding of non-uniform budgets (engine/sessions/ragged.py: each head's segment
       // is as long as the longest head's): its probability is exactly 0, so neither it nor its
       // value is read, and a head pays for its own slots only.
       const __m512 hidden = _mm512_set1_ps(-INFINITY);
