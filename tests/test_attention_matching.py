@@ -8,20 +8,19 @@ import math
 import pytest
 import torch
 
+from cdlm_serve.engine.compaction import METHODS
 from cdlm_serve.engine.compaction.attention_matching import (
     HIGHEST_AGGREGATE,
-    METHODS,
     HeadInputs,
-    compact_head,
     fit,
     highest_attention_scores,
     keep,
     mass_error,
     relative_output_error,
-    select_keys,
     summary,
     targets,
 )
+from cdlm_serve.engine.compaction.head import compact_head, select_keys
 from cdlm_serve.engine.compaction.nnls import (
     _reduced,
     gram_nnls,

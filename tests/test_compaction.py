@@ -10,10 +10,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from cdlm_serve.engine.compaction.attention_matching import (
-    HeadInputs,
-    select_keys,
-)
+from cdlm_serve.engine.compaction.attention_matching import HeadInputs
+from cdlm_serve.engine.compaction.head import select_keys
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cpu_features import ISAS, kernel_build
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cdlm_serve.engine.compaction import baselines
-from cdlm_serve.engine.compaction.attention_matching import HeadInputs, compact_head
+from cdlm_serve.engine.compaction.attention_matching import HeadInputs
+from cdlm_serve.engine.compaction.head import compact_head
 from cdlm_serve.models.rope import apply_rotary
 
 

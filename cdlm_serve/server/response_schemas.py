@@ -9,10 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from cdlm_serve.engine.compaction import METHODS
 from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import SEED_MAX, SEED_MIN
-from cdlm_serve.server.schemas import STRICT, AutoCompactSpec, CompactOptions
+from cdlm_serve.server.schemas import STRICT, AutoCompactSpec, CompactOptions, MethodName
 
 # OpenAI's bounds on `metadata`.
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
@@ -102,4 +101,4 @@ class ResponseCompactRequest(CompactOptions):
     previous_response_id: str | None = response_id_field()
     input: str | list[Any] | None = None
     instructions: str | None = None
-    method: Literal[METHODS] = "am-omp"  # type: ignore[valid-type]
+    method: MethodName = "am-omp"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, QUERY_SOURCES
 from cdlm_serve.engine.decoding import MODES
@@ -19,6 +19,27 @@ from cdlm_serve.server.request_limits import (
 
 # Request bodies: strict JSON types, unknown fields ignored, no NaN or infinite numbers.
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _registered_method(name: str) -> str:
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}")
+    return name
+
+
+def _list_methods(schema: dict[str, Any]) -> None:
+    """The schema lists the methods registered when it is built, where a Literal would (after
+    the type), so a method registered after import is listed and served too."""
+    rest = {key: schema.pop(key) for key in list(schema) if key != "type"}
+    schema["enum"] = list(METHODS)
+    schema.update(rest)
+
+
+# A compaction method's name: one of the registered ones (engine.compaction.METHODS), checked at
+# request time.
+MethodName = Annotated[
+    str, AfterValidator(_registered_method), Field(json_schema_extra=_list_methods)
+]
 
 
 def session_id_field() -> Any:  # the one rule (engine.sessions.store), as a schema pattern
@@ -229,7 +250,7 @@ class AutoCompactSpec(BaseModel):
     model_config = STRICT
     max_tokens: int = Field(ge=16)
     ratio: float = Field(ge=1.5)
-    method: Literal[METHODS] = "am-highest-fast"  # type: ignore[valid-type]
+    method: MethodName = "am-highest-fast"
     keep_recent: int = Field(0, ge=0)
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     quantize: Literal["int8"] | None = None
@@ -253,7 +274,7 @@ class CompactOptions(BaseModel):
     ratio: float | None = Field(None, ge=1.5)  # smaller gains are not worth a compaction
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
-    method: Literal[METHODS] = "am-highest"  # type: ignore[valid-type]
+    method: MethodName = "am-highest"
     # None: the method's own (engine.compaction.row.default_query_source).
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)

@@ -4,13 +4,19 @@ What the other subsystems use is exported here (the server, the sessions, the se
 the modules inside are the algorithm's parts, for this package, the benches and the tests:
 `options` (what can be asked), `queries` (reference queries), `attention_matching` and `nnls`
 (the per-head fit), `baselines`, `budgets` (slots per KV head), `row` (one row end to end:
-`compact_row`), `auto` (a session's online policy), `kv_quant` (a segment as int8 codes).
+`compact_row`), `auto` (a session's online policy), `kv_quant` (a segment as int8 codes),
+`methods/` (one object per method: its traits and how it picks a head's slots).
 """
 
-from cdlm_serve.engine.compaction.attention_matching import METHODS
 from cdlm_serve.engine.compaction.auto import AutoCompact
 from cdlm_serve.engine.compaction.budgets import SCHEDULE_MOST, load_schedule, schedule_name
 from cdlm_serve.engine.compaction.kv_quant import QuantizedSegment
+from cdlm_serve.engine.compaction.methods import (
+    METHODS,
+    CompactionMethod,
+    register_method,
+    unregister_method,
+)
 from cdlm_serve.engine.compaction.options import (
     BUDGETS,
     KEY_QUERIES,
@@ -28,12 +34,15 @@ __all__ = [
     "QUERY_SOURCES",
     "SCHEDULE_MOST",
     "AutoCompact",
+    "CompactionMethod",
     "CompactionReport",
     "QuantizedSegment",
     "compact_row",
     "default_key_queries",
     "load_schedule",
     "reference_queries",
+    "register_method",
     "resolve_key_queries",
     "schedule_name",
+    "unregister_method",
 ]

@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cdlm_serve.engine.compaction.attention_matching import METHODS
+from cdlm_serve.engine.compaction.methods import METHODS
 from cdlm_serve.engine.compaction.options import BUDGETS, QUERY_SOURCES, resolve_key_queries
 
 MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cdlm_serve.engine.compaction.attention_matching import METHODS
+from cdlm_serve.engine.compaction.methods import METHODS, method
 
 QUERY_SOURCES = (
     "context",
@@ -28,22 +28,6 @@ REPEAT_BUDGET = 8192
 REPEAT_PIECE = 512  # a multiple of REPEAT_ROWS: a piece's blocks line up as in the whole pass
 # Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
 BUDGETS = ("uniform", "attention", "measured")
-# Baselines that score keys with the context's own queries, as at prefill time.
-CONTEXT_SCORED = ("snapkv", "h2o", "expected_attention")
-# ... and those that score none (their queries only measure the output error).
-UNSCORED = ("streaming", "random")
-# Each method's reference queries when a request names none: what its paper uses (Attention
-# Matching and KVzip: the repeat-the-context queries; the prefill-time baselines: the
-# context's own; streaming and random score nothing, the context's queries measure them).
-DEFAULT_QUERY_SOURCE = {
-    m: "repeat" if m.startswith("am-") or m == "kvzip" else "context" for m in METHODS
-}
-# ... except the -fast variants on a CPU, whose attention the full repeat pass is bound by: the
-# banded pass (on a GPU the band would be a mask over the full attention, no faster); and the
-# methods for sessions compacted again and again, measured online with it (am-h2o, kvzip).
-BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o", "kvzip")
-
-
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are
 # fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context", the
 # paper's context-prefill queries: each KV head ranks by its group's queries at max_queries /
@@ -61,38 +45,41 @@ BANDED_ON_CPU = ("am-omp-fast", "am-highest-fast", "am-h2o", "kvzip")
 # `--timing`, two runs each, alternating): am-highest-fast 29.6 / 28.3 s by the reference,
 # 34.5 / 34.1 s by the context (a causal pass over the whole context instead: 47.9 / 55.1 s).
 KEY_QUERIES = ("context", "reference")
-# The methods that can rank by the context's; am-h2o only does (H2O's keys by definition: the
-# heavy hitters of the context's own attention, and the recent slots).
-CONTEXT_KEYED = ("am-highest", "am-highest-fast", "am-h2o")
-CONTEXT_KEYED_ONLY = ("am-h2o",)
 
 
-def default_key_queries(method: str) -> str:
-    """Whose attention ranks `method`'s keys when a request names none (KEY_QUERIES): the
-    context's, for the methods that can."""
-    return "context" if method in CONTEXT_KEYED else "reference"
+def default_key_queries(name: str) -> str:
+    """Whose attention ranks `name`'s keys when a request names none (KEY_QUERIES): the
+    context's, for the methods that can (`CompactionMethod.key_queries`, its default first)."""
+    return method(name).key_queries[0]
 
 
-def resolve_key_queries(method: str, key_queries: str | None) -> str:
-    """`key_queries` checked for `method` (ValueError if unknown or not for it), or the
+def resolve_key_queries(name: str, key_queries: str | None) -> str:
+    """`key_queries` checked for method `name` (ValueError if unknown or not for it), or the
     method's own where None."""
-    key_queries = key_queries or default_key_queries(method)
+    chosen = method(name)
+    key_queries = key_queries or chosen.key_queries[0]
     if key_queries not in KEY_QUERIES:
         raise ValueError(f"unknown key_queries {key_queries!r}; known: {', '.join(KEY_QUERIES)}")
-    if key_queries == "context" and method not in CONTEXT_KEYED:
-        raise ValueError(
-            f"key_queries='context' ranks the keys of {', '.join(CONTEXT_KEYED)}, not {method}'s"
-        )
-    if key_queries == "reference" and method in CONTEXT_KEYED_ONLY:
-        raise ValueError(f"{method}'s keys are ranked by the context's queries only")
+    if key_queries not in chosen.key_queries:
+        if key_queries == "reference":
+            raise ValueError(f"{name}'s keys are ranked by the context's queries only")
+        able = [m.name for m in METHODS.values() if "context" in m.key_queries]
+        raise ValueError(f"key_queries='context' ranks the keys of {', '.join(able)}, not {name}'s")
     return key_queries
 
 
-def default_query_source(method: str, device: torch.device) -> str:
-    """The reference queries `method` takes on `device` when a request names none."""
-    if method in BANDED_ON_CPU and device.type == "cpu":
+# Each method's reference queries when a request names none (`CompactionMethod.query_source`:
+# what its paper uses, Attention Matching and KVzip the repeat-the-context queries, the
+# prefill-time baselines the context's own; streaming and random score nothing, the context's
+# queries measure them), except on a CPU for the methods whose attention the full repeat pass
+# is bound by (`banded_on_cpu`: the -fast variants, and am-h2o and kvzip, the methods for
+# sessions compacted again and again, measured online with it): the banded pass.
+def default_query_source(name: str, device: torch.device) -> str:
+    """The reference queries method `name` takes on `device` when a request names none."""
+    chosen = method(name)
+    if chosen.banded_on_cpu and device.type == "cpu":
         return "repeat-banded"
-    return DEFAULT_QUERY_SOURCE[method]
+    return chosen.query_source
 
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
@@ -100,7 +87,7 @@ STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it
 
 
 def check_options(
-    method: str,
+    name: str,
     query_source: str,
     budgets: str,
     quantize: str | None,
@@ -110,11 +97,9 @@ def check_options(
 ) -> int:
     """The compaction a request asks for, checked (ValueError saying what is wrong); returns
     the region it compacts, the row's first `length - keep_recent` slots."""
-    if method not in METHODS:
-        raise ValueError(f"unknown compaction method {method!r}; known: {', '.join(METHODS)}")
-    if method in CONTEXT_SCORED and query_source != "context":
+    if method(name).scoring == "context" and query_source != "context":
         raise ValueError(
-            f"{method} scores keys with the context's own queries: query_source must be "
+            f"{name} scores keys with the context's own queries: query_source must be "
             f"'context', not {query_source!r}"
         )
     if query_source not in QUERY_SOURCES:

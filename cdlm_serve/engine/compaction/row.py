@@ -62,14 +62,13 @@ from cdlm_serve.engine.compaction.attention_matching import (
     HeadInputs,
     HeadResult,
     OmpBudget,
-    compact_head,
     relative_output_error,
 )
+from cdlm_serve.engine.compaction.head import compact_head
 from cdlm_serve.engine.compaction.kv_quant import QuantizedSegment, quantize_prefix
+from cdlm_serve.engine.compaction.methods import CompactionMethod, registry
 from cdlm_serve.engine.compaction.options import (
-    CONTEXT_SCORED,
     REPEAT_INSTRUCTION,
-    UNSCORED,
     check_options,
     default_query_source,
     resolve_key_queries,
@@ -196,7 +195,7 @@ def compact_row(
         budget,
         on_fit,
     )
-    if method == "expected_attention":
+    if registry.method(method).needs_future:
         fit.rope = _expected_attention_rope(model, len(context_ids), cache.logical[row])
     if budgets == "measured":
         if schedule is None:
@@ -216,7 +215,11 @@ def compact_row(
         n_queries = _on_policy(model, tokenizer, cache, row, context_ids, fit, engine, ranking)
     else:
         queries: Iterable[Tensor] | None = reference
-        if queries is None and method in UNSCORED and query_source == "context":
+        if (
+            queries is None
+            and registry.method(method).scoring == "none"
+            and query_source == "context"
+        ):
             # Nothing scores these keys: the queries only measure the output error, which a
             # re-read sample measures as well as a pass over the whole (logical) context.
             sample = context_key_queries(
@@ -312,12 +315,14 @@ class _LayerFit:
     values: list[Tensor] = field(default_factory=list)
     biases: list[Tensor] = field(default_factory=list)
     errors: list[float] = field(default_factory=list)
+    traits: CompactionMethod = field(init=False)  # the method's (registry)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
         # The context queries' subsample draws from its own stream: the reference queries'
         # subsample stays what it is without them.
         self.key_generator = torch.Generator().manual_seed(self.seed + 1)
+        self.traits = registry.method(self.method)
 
     @property
     def slots(self) -> int:
@@ -368,10 +373,10 @@ class _LayerFit:
                 scale=cfg.scale,
                 bias=None if bias is None else bias[g, :region].float().cpu(),
             )
-            if self.method == "kvzip":  # its max reads every query, over the whole row
+            if self.traits.reads_every_query:  # its max reads every query, the whole row
                 h.every_query = every
                 self._add_tail(h, keys[g], bias, g)
-            if self.method in CONTEXT_SCORED:
+            if self.traits.scoring == "context":
                 self._add_context(h, q[g * group : (g + 1) * group], keys[g], bias, g)
             elif ranking is not None:
                 own = ranking[0][g * group : (g + 1) * group].cpu()  # [G, n', D]
