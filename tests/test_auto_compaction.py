@@ -105,7 +105,7 @@ def _same_compaction(auto: dict, by_hand: dict) -> None:
 
 
 def test_a_session_compacts_itself_exactly_when_its_policy_says(tiny_llama_dir, tmp_path):
-    policy = AutoCompact(**POLICY)
+    policy = AutoCompact.of(**POLICY)
     by_hand = {k: POLICY[k] for k in ("method", "ratio", "keep_recent")}
     with tiny_session_server(tiny_llama_dir, tmp_path) as url:
         r = httpx.post(
@@ -233,12 +233,12 @@ def tiny_server_sessions(tiny_llama_dir, tmp_path_factory):
 
 
 def test_policy_targets_match_a_requested_compaction():
-    policy = AutoCompact(max_tokens=160, ratio=4, keep_recent=16)
+    policy = AutoCompact.of(max_tokens=160, ratio=4, keep_recent=16)
     assert not policy.due(160) and policy.due(161)
     assert policy.target(200) == math.ceil(184 / 4)
-    assert AutoCompact(max_tokens=16, ratio=1.5).target(17) == 12
+    assert AutoCompact.of(max_tokens=16, ratio=1.5).target(17) == 12
     with pytest.raises(ValueError, match="keep_recent"):
-        AutoCompact(max_tokens=160, ratio=4, keep_recent=81)
+        AutoCompact.of(max_tokens=160, ratio=4, keep_recent=81)
 
 
 def test_the_online_bench_feeds_and_compacts_by_the_same_policy(tiny_llama_dir):
@@ -298,7 +298,7 @@ def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
     shares[0][0] = 100.0  # one head would take all it may
     monkeypatch.setattr(online, "_schedule", lambda model, args: shares)
     args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32)
-    policy = AutoCompact(96, 4, keep_recent=16, budgets="measured")
+    policy = AutoCompact.of(96, 4, keep_recent=16, budgets="measured")
     target = policy.target(128)  # the first compaction's: 112 slots to 28
     # Uncapped, that head takes all the others leave (4 heads x 28 - 3 x 7): with the 16
     # recent slots the row stays over 96, compacted again after every append.

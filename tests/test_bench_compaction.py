@@ -8,7 +8,7 @@ import torch
 
 import tiny_models
 from cdlm_serve.bench.compaction import Spec, _parts, mixed_cache
-from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.models.loading import load_model
 
 
@@ -37,7 +37,16 @@ def test_a_layer_loss_cache_is_exact_where_it_keeps_layers_and_compacted_where_i
     model, full = _prefilled(tiny_llama_dir, context)
     compacted = full.extract_row(0)
     tok = tiny_models.byte_tokenizer()
-    compact_row(model, tok, compacted, 0, context, target, "am-highest-fast", None, keep_recent)
+    compact_row(
+        model,
+        compacted,
+        0,
+        context,
+        CompactionSpec.exact(
+            target, method="am-highest-fast", query_source=None, keep_recent=keep_recent
+        ),
+        CompactionRuntime(tokenizer=tok),
+    )
     probe = [5, 17, 42, 99]
     layers = set(range(full.num_layers))
 
@@ -80,7 +89,16 @@ def test_head_budget_swaps_change_one_head_and_pad_invisibly(tiny_llama_dir):
     by_level = {}
     for t in (target, 2 * target):
         compacted = full.extract_row(0)
-        compact_row(model, tok, compacted, 0, context, t, "am-highest-fast", None, keep_recent)
+        compact_row(
+            model,
+            compacted,
+            0,
+            context,
+            CompactionSpec.exact(
+                t, method="am-highest-fast", query_source=None, keep_recent=keep_recent
+            ),
+            CompactionRuntime(tokenizer=tok),
+        )
         by_level[t] = (compacted, segments(compacted, t))
     uniform, base = by_level[target]
     facts = [([40, 41, 42], [50, 51]), ([60, 61, 62, 63, 64, 65], [70]), ([80], [90, 91, 92, 93])]

@@ -52,7 +52,7 @@ def _next_logits(model, cache, token):
     "source", ["context", "repeat", "repeat-banded", "self-study", "on-policy"]
 )
 def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -60,14 +60,11 @@ def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
     cache = _prefilled(model, ids)
     report = compact_row(
         model,
-        tok,
         cache,
         0,
         ids,
-        target=50,
-        method="am-highest",
-        query_source=source,
-        keep_recent=10,
+        CompactionSpec.exact(50, method="am-highest", query_source=source, keep_recent=10),
+        CompactionRuntime(tokenizer=tok),
     )
     assert (report.tokens_before, report.tokens_after, report.logical_length) == (60, 60, 60)
     assert report.reference_queries > 0 and report.output_error <= 1e-3
@@ -76,7 +73,7 @@ def test_full_size_compaction_of_a_model_cache_changes_nothing(tiny, source):
 
 
 def test_compacted_cache_continues_from_the_logical_length(tiny):
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -86,14 +83,11 @@ def test_compacted_cache_continues_from_the_logical_length(tiny):
         cache = _prefilled(model, ids)
         report = compact_row(
             model,
-            tok,
             cache,
             0,
             ids,
-            target=20,
-            method=method,
-            query_source="repeat",
-            keep_recent=8,
+            CompactionSpec.exact(20, method=method, query_source="repeat", keep_recent=8),
+            CompactionRuntime(tokenizer=tok),
         )
         assert cache.lengths == [28] and cache.logical == [120] and report.ratio == 120 / 28
         assert cache.next_positions(1, torch.device("cpu")).item() == 120
@@ -101,8 +95,22 @@ def test_compacted_cache_continues_from_the_logical_length(tiny):
     assert errors["am-highest"] < errors["streaming"]
     # Compaction composes: a compacted row compacts again.
     cache = _prefilled(model, ids)
-    compact_row(model, tok, cache, 0, ids, target=40, query_source="repeat", keep_recent=8)
-    again = compact_row(model, tok, cache, 0, ids, target=20, query_source="repeat", keep_recent=8)
+    compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(40, query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
+    again = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert cache.lengths == [28] and cache.logical == [120] and again.tokens_before == 48
 
 
@@ -115,10 +123,10 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     tokens after its segment line up with their slots and all see the segment: again exact
     with a wide window, changed by a narrow one; where the segment is not known, the full
     pass. The -fast variants default to it on a CPU."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction import queries as compaction_queries
     from cdlm_serve.engine.compaction.options import REPEAT_INSTRUCTION, default_query_source
     from cdlm_serve.engine.compaction.queries import reference_queries
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -140,7 +148,14 @@ def test_banded_repeat_queries_are_the_repeat_pass_with_each_token_near_its_orig
     narrow = queries("repeat-banded")
     torch.testing.assert_close(narrow[0], exact[0])  # layer 0's queries come before attention
     assert (narrow[1] - exact[1]).abs().max() > 1e-3
-    report = compact_row(model, tok, cache, 0, ids, 20, query_source="repeat", keep_recent=8)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert (cache.lengths, cache.logical, report.segment_slots) == ([28], [90], 20)
     assert compaction_queries.repeat_band(cache, 0, instruction) is None  # segment not known
     exact = queries("repeat")
@@ -209,7 +224,7 @@ def test_a_long_history_is_repeated_in_pieces_each_lined_up_with_its_own_slots(t
 
 
 def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -217,7 +232,12 @@ def test_on_policy_fits_each_layer_on_the_compacted_layers_below(tiny):
     for source in ("repeat", "on-policy"):
         cache = _prefilled(model, ids)
         report = compact_row(
-            model, tok, cache, 0, ids, target=16, query_source=source, keep_recent=8
+            model,
+            cache,
+            0,
+            ids,
+            CompactionSpec.exact(16, query_source=source, keep_recent=8),
+            CompactionRuntime(tokenizer=tok),
         )
         assert cache.lengths == [24] and cache.logical == [90]
         assert report.reference_queries > len(ids)  # the instruction + the context
@@ -233,7 +253,7 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
     """Every forward of a compaction goes through on_engine (the server runs those pieces on
     the engine thread between decode steps), each piece runs at most one layer's attention,
     and the fits run outside them."""
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -260,7 +280,12 @@ def test_compaction_runs_model_work_only_in_pieces_given_to_the_engine(tiny):
             cache = _prefilled(model, ids)
             inside["armed"], inside["most"] = True, 0
             report = compact_row(
-                model, tok, cache, 0, ids, 20, "am-highest", source, 8, on_engine=on_engine
+                model,
+                cache,
+                0,
+                ids,
+                CompactionSpec.exact(20, method="am-highest", query_source=source, keep_recent=8),
+                CompactionRuntime(tokenizer=tok, on_engine=on_engine),
             )
             inside["armed"] = False
             assert cache.lengths == [28] and report.engine_jobs > model.config.num_layers
@@ -294,21 +319,35 @@ def test_omp_budget_switches_to_the_fast_variant_then_to_attention():
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "expected_attention", "streaming"])
 def test_baselines_compact_a_model_row_with_their_own_queries(tiny, method):
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(4)).tolist()
     cache = model.new_cache(1, 256)
     with torch.no_grad():
         model(torch.tensor([ids]), cache=cache)
-    report = compact_row(model, tok, cache, 0, ids, target=20, method=method, keep_recent=8)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, method=method, keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert report.query_source == "context"
     assert cache.lengths == [28] and cache.logical == [100]
     assert report.reference_queries == len(ids)
     assert math.isfinite(report.output_error)
     if method != "streaming":
         with pytest.raises(ValueError, match="query_source must be 'context'"):
-            compact_row(model, tok, cache, 0, ids, 10, method, "repeat", 8)
+            compact_row(
+                model,
+                cache,
+                0,
+                ids,
+                CompactionSpec.exact(10, method=method, query_source="repeat", keep_recent=8),
+                CompactionRuntime(tokenizer=tok),
+            )
 
 
 @pytest.mark.parametrize("method", ["streaming", "random"])
@@ -317,8 +356,8 @@ def test_unscored_baselines_measure_their_error_on_a_reread_sample(tiny, method)
     error, so they re-read max_queries / group of the context's tokens
     (`context_key_queries`), after the segment on a row compacted before, instead of a pass
     over the whole history; the error is the one those very queries measure."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.queries import context_key_queries
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -328,17 +367,41 @@ def test_unscored_baselines_measure_their_error_on_a_reread_sample(tiny, method)
     with torch.no_grad():
         sample = [q for q, _ in context_key_queries(model, cache, 0, ids, count, seed=0)]
     twin = cache.extract_row(0)
-    report = compact_row(model, tok, cache, 0, ids, 20, method, keep_recent=8, max_queries=24)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, method=method, keep_recent=8),
+        CompactionRuntime(tokenizer=tok, max_queries=24),
+    )
     assert report.query_source == "context" and report.reference_queries == count < 100
     given = compact_row(
-        model, tok, twin, 0, ids, 20, method, keep_recent=8, max_queries=24, reference=sample
+        model,
+        twin,
+        0,
+        ids,
+        CompactionSpec.exact(20, method=method, keep_recent=8),
+        CompactionRuntime(tokenizer=tok, max_queries=24, reference=sample),
     )
     assert report.output_error == given.output_error
     again = compact_row(
-        model, tok, cache, 0, ids, 10, method, keep_recent=4, max_queries=24, segment_slots=20
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(10, method=method, keep_recent=4),
+        CompactionRuntime(tokenizer=tok, max_queries=24, segment_slots=20),
     )
     assert again.reference_queries == min(count, 8)  # the 8 tokens after the segment
-    unknown = compact_row(model, tok, twin, 0, ids, 10, method, keep_recent=4, max_queries=24)
+    unknown = compact_row(
+        model,
+        twin,
+        0,
+        ids,
+        CompactionSpec.exact(10, method=method, keep_recent=4),
+        CompactionRuntime(tokenizer=tok, max_queries=24),
+    )
     assert unknown.reference_queries == 100  # segment not known: the whole pass
 
 
@@ -346,8 +409,8 @@ def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(t
     """context_key_queries re-reads `count` seeded random tokens of a row never compacted:
     per layer, exactly the queries a causal pass over the whole context has there, the cache
     untouched; on a row compacted before whose segment is not known, the whole pass."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.queries import context_key_queries, reference_queries
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -367,7 +430,14 @@ def test_context_key_queries_are_the_context_pass_at_a_sample_of_its_positions(t
     named = list(context_key_queries(model, full, 0, ids, 12, seed=3, segment=30))
     assert torch.equal(named[0][1], at) and torch.equal(named[-1][0], sampled[-1][0])
     compacted = full.extract_row(0)
-    compact_row(model, tok, compacted, 0, ids, 30, "streaming", keep_recent=10)
+    compact_row(
+        model,
+        compacted,
+        0,
+        ids,
+        CompactionSpec.exact(30, method="streaming", keep_recent=10),
+        CompactionRuntime(tokenizer=tok),
+    )
     again = list(context_key_queries(model, compacted, 0, ids, 12, seed=3))
     assert torch.equal(again[0][1], torch.arange(100))  # segment not known: the whole pass
     torch.testing.assert_close(again[-1][0], whole[-1], atol=1e-5, rtol=1e-5)
@@ -380,14 +450,21 @@ def test_context_key_queries_on_a_compacted_row_reread_the_tokens_after_its_segm
     `count`): per layer, at their logical positions, exactly the queries those tokens get
     when run as a continuation of the segment alone (its beta included), the cache
     untouched."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.queries import context_key_queries
-    from cdlm_serve.engine.compaction.row import compact_row
     from cdlm_serve.models.transformer import new_capture
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     cache = _prefilled(model, ids)
-    report = compact_row(model, tok, cache, 0, ids, 30, "am-highest", "repeat", keep_recent=10)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(30, method="am-highest", query_source="repeat", keep_recent=10),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert report.segment_slots == 30 and cache.lengths == [40] and cache.logical == [100]
     assert any(bool(b[0, :, :30].abs().sum() > 0) for b in cache.biases)  # beta is in play
     sampled = list(context_key_queries(model, cache, 0, ids, count, seed=3, segment=30))
@@ -421,8 +498,8 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
     (`context_key_queries`: all of them where they are fewer than max_queries, else
     max_queries / group positions re-read), over the region and the exact tail; "reference"
     ranks by the repeat queries instead, other keys."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.queries import context_key_queries
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -435,12 +512,24 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
     region, t = 92, 20
     cache = full.extract_row(0)
     report = compact_row(
-        model, tok, cache, 0, ids, t, "am-highest", "repeat", 8, max_queries=max_queries
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(t, method="am-highest", query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok, max_queries=max_queries),
     )
     assert report.key_queries == "context" and cache.lengths == [t + 8]
     by_reference = full.extract_row(0)
     compact_row(
-        model, tok, by_reference, 0, ids, t, "am-highest", "repeat", 8, key_queries="reference"
+        model,
+        by_reference,
+        0,
+        ids,
+        CompactionSpec.exact(
+            t, method="am-highest", query_source="repeat", keep_recent=8, key_queries="reference"
+        ),
+        CompactionRuntime(tokenizer=tok),
     )
     differ = False
     for layer in range(cfg.num_layers):
@@ -460,27 +549,55 @@ def test_am_highest_keeps_the_keys_the_context_queries_attended_to_most(tiny, ma
             _assert_top(score, chosen, t)
             differ |= not torch.equal(kept[g, :t], other[g, :t])
     assert differ  # the two rankings keep other keys
-    fast = compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-highest-fast", keep_recent=8)
+    fast = compact_row(
+        model,
+        full.extract_row(0),
+        0,
+        ids,
+        CompactionSpec.exact(t, method="am-highest-fast", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert fast.key_queries == "context"  # its default as well
     with pytest.raises(ValueError, match="key_queries"):
         compact_row(
-            model, tok, full.extract_row(0), 0, ids, t, "am-omp", "repeat", 8, key_queries="context"
+            model,
+            full.extract_row(0),
+            0,
+            ids,
+            CompactionSpec.exact(
+                t, method="am-omp", query_source="repeat", keep_recent=8, key_queries="context"
+            ),
+            CompactionRuntime(tokenizer=tok),
         )
     with pytest.raises(ValueError, match="unknown key_queries"):
-        compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-highest", key_queries="magic")
+        compact_row(
+            model,
+            full.extract_row(0),
+            0,
+            ids,
+            CompactionSpec.exact(t, method="am-highest", key_queries="magic"),
+            CompactionRuntime(tokenizer=tok),
+        )
 
 
 def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
     """am-h2o on a model's cache: each kept slot is an original key with its own value (no
     values fitted), the keys ranked by the context's queries (its only ranking: 'reference' is
     refused), the beta fitted on the repeat queries (banded on a CPU): nonzero."""
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     model, tok = tiny
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     full = _prefilled(model, ids)
     cache, t = full.extract_row(0), 20
-    report = compact_row(model, tok, cache, 0, ids, t, "am-h2o", keep_recent=8)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(t, method="am-h2o", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert report.key_queries == "context" and report.query_source == "repeat-banded"
     assert cache.lengths == [t + 8] and cache.logical == [100]
     for layer in range(model.config.num_layers):
@@ -492,7 +609,14 @@ def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
             assert torch.equal(kept_v[g, :t], values[g, match.float().argmax(-1)])
         assert bias is not None and bool(bias[:, :t].abs().gt(0).any())
     with pytest.raises(ValueError, match="context's queries only"):
-        compact_row(model, tok, full.extract_row(0), 0, ids, t, "am-h2o", key_queries="reference")
+        compact_row(
+            model,
+            full.extract_row(0),
+            0,
+            ids,
+            CompactionSpec.exact(t, method="am-h2o", key_queries="reference"),
+            CompactionRuntime(tokenizer=tok),
+        )
 
 
 @pytest.mark.parametrize("max_queries", [2048, 24])
@@ -501,8 +625,8 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     from any one of its group's repeat queries (banded on a CPU), each query's softmax over
     the whole row (region and exact tail), with their own values and no bias; every query
     counts, not the fits' sample of max_queries."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.queries import reference_queries
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -514,7 +638,12 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     assert repeat[0].shape[1] * group > 4 * max_queries or max_queries > 1024
     cache = full.extract_row(0)
     report = compact_row(
-        model, tok, cache, 0, ids, t, "kvzip", keep_recent=8, max_queries=max_queries
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(t, method="kvzip", keep_recent=8),
+        CompactionRuntime(tokenizer=tok, max_queries=max_queries),
     )
     assert report.query_source == "repeat-banded" and cache.lengths == [t + 8]
     for layer in range(cfg.num_layers):
@@ -595,7 +724,7 @@ def test_masked_padding_slots_change_nothing(tiny, isa):
     """A segment's padding (the slots a shorter head does not use) is invisible: decoding
     with it gives the logits decoding without it gives, in PyTorch and in each build of the
     fused kernels."""
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.models import kernels
 
     fused = isa is not None
@@ -605,7 +734,14 @@ def test_masked_padding_slots_change_nothing(tiny, isa):
     try:
         with kernel_build(isa) if fused else nullcontext(), kernels.cpu_kernels(fused):
             cache = _prefilled(model, ids)
-            compact_row(model, tok, cache, 0, ids, target=12, method="am-highest", keep_recent=0)
+            compact_row(
+                model,
+                cache,
+                0,
+                ids,
+                CompactionSpec.exact(12, method="am-highest", keep_recent=0),
+                CompactionRuntime(tokenizer=tok),
+            )
             padded = _with_padding(cache, 7)
             plain = [_next_logits(model, cache, t) for t in (7, 8, 9)]
             masked = [_next_logits(model, padded, t) for t in (7, 8, 9)]
@@ -618,19 +754,19 @@ def test_masked_padding_slots_change_nothing(tiny, isa):
 def _non_uniform(model, tok, seed: int, quantize: str | None = None):
     """150 random tokens compacted to 16 slots per head on average with budgets by attention
     (so the heads differ, the shorter ones padded), the last 8 kept: (ids, cache, report)."""
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(seed)).tolist()
     cache = _prefilled(model, ids)
-    report = compact_row(
-        model, tok, cache, 0, ids, 16, "am-highest", keep_recent=8, quantize=quantize,
-        budgets="attention",
-    )  # fmt: skip
+    spec = CompactionSpec.exact(
+        16, method="am-highest", keep_recent=8, quantize=quantize, budgets="attention"
+    )
+    report = compact_row(model, cache, 0, ids, spec, CompactionRuntime(tokenizer=tok))
     return ids, cache, report
 
 
 def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(tiny, tmp_path):
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.sessions import files as session_files
 
     model, tok = tiny
@@ -654,11 +790,25 @@ def test_a_non_uniform_segment_is_stored_ragged_and_decodes_like_the_padded_one(
             assert torch.equal(got, want)
     assert torch.equal(_next_logits(model, back, 7), _next_logits(model, cache, 7))
     uniform = _prefilled(model, ids)
-    same_total = compact_row(model, tok, uniform, 0, ids, 16, "am-highest", keep_recent=8)
+    same_total = compact_row(
+        model,
+        uniform,
+        0,
+        ids,
+        CompactionSpec.exact(16, method="am-highest", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert same_total.head_slots == report.head_slots and same_total.segment_slots == 16
     with pytest.raises(ValueError, match="on-policy"):
         compact_row(
-            model, tok, uniform, 0, ids, 8, "am-highest", "on-policy", 8, budgets="attention"
+            model,
+            uniform,
+            0,
+            ids,
+            CompactionSpec.exact(
+                8, method="am-highest", query_source="on-policy", keep_recent=8, budgets="attention"
+            ),
+            CompactionRuntime(tokenizer=tok),
         )
 
 
@@ -764,8 +914,8 @@ def test_a_schedule_for_another_shape_is_not_loaded(tmp_path):
 
 @pytest.mark.parametrize("source", ["repeat", "on-policy"])
 def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.compaction.budgets import from_schedule
-    from cdlm_serve.engine.compaction.row import compact_row
 
     model, tok = tiny
     cfg = model.config
@@ -776,7 +926,14 @@ def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
     want = from_schedule(shares, 16, 142)
     cache = _prefilled(model, ids)
     report = compact_row(
-        model, tok, cache, 0, ids, 16, "am-highest", source, 8, budgets="measured", schedule=shares
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(
+            16, method="am-highest", query_source=source, keep_recent=8, budgets="measured"
+        ),
+        CompactionRuntime(tokenizer=tok, schedule=shares),
     )
     assert report.budgets == "measured" and report.head_slots == sum(map(sum, want))
     assert report.segment_slots == max(max(h) for h in want) == want[0][0]
@@ -785,7 +942,14 @@ def test_measured_budgets_give_each_head_its_scheduled_slots(tiny, source):
         assert visible.tolist() == want[layer]  # each head sees exactly its slots
     assert torch.isfinite(_next_logits(model, cache, 7)).all()
     with pytest.raises(ValueError, match="no measured budget schedule"):
-        compact_row(model, tok, _prefilled(model, ids), 0, ids, 16, budgets="measured")
+        compact_row(
+            model,
+            _prefilled(model, ids),
+            0,
+            ids,
+            CompactionSpec.exact(16, budgets="measured"),
+            CompactionRuntime(tokenizer=tok),
+        )
 
 
 def test_the_default_model_ships_a_schedule_of_its_shape_under_either_name():

@@ -13,6 +13,8 @@ import tiny_models
 from cdlm_serve.engine.compaction import (
     METHODS,
     CompactionMethod,
+    CompactionRuntime,
+    CompactionSpec,
     compact_row,
     register_method,
     unregister_method,
@@ -52,7 +54,14 @@ def test_a_method_registered_from_a_test_file_compacts_a_row(last_slots, tiny_ll
         model(torch.tensor([ids]), cache=cache)
     before = [cache.read(0, layer)[0].clone() for layer in range(model.config.num_layers)]
     tok = tiny_models.byte_tokenizer()
-    report = compact_row(model, tok, cache, 0, ids, target=16, method=last_slots.name)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(16, method=last_slots.name),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert report.method == last_slots.name and report.query_source == "repeat"
     assert cache.lengths == [16] and cache.logical == [80]
     assert last_slots.heads == model.config.num_layers * model.config.num_kv_heads
@@ -70,7 +79,14 @@ def test_an_unregistered_method_is_refused(tiny_llama_dir):
         model(torch.tensor([list(range(40))]), cache=cache)
     tok = tiny_models.byte_tokenizer()
     with pytest.raises(ValueError, match="unknown compaction method 'last_slots_test'"):
-        compact_row(model, tok, cache, 0, list(range(40)), target=8, method="last_slots_test")
+        compact_row(
+            model,
+            cache,
+            0,
+            list(range(40)),
+            CompactionSpec.exact(8, method="last_slots_test"),
+            CompactionRuntime(tokenizer=tok),
+        )
 
 
 def test_a_registered_method_is_served_over_http(last_slots, tiny_llama_dir, tmp_path):

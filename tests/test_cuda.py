@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.engine.decoding.ar_engine import AREngine
 from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
 from cdlm_serve.engine.decoding.sampling import SamplingParams
@@ -111,7 +111,12 @@ def test_compaction_on_cuda_matches_the_cpu(folders):
         with torch.inference_mode():
             model(torch.tensor([ids], device=device), cache=cache)  # causal prefill
         report = compact_row(
-            model, tiny_models.byte_tokenizer(), cache, 0, ids, 40, method="am-highest"
+            model,
+            cache,
+            0,
+            ids,
+            CompactionSpec.exact(40, method="am-highest"),
+            CompactionRuntime(tokenizer=tiny_models.byte_tokenizer()),
         )
         assert report.tokens_after == 40 and cache.lengths[0] == 40
         errors.append(report.output_error)

@@ -210,14 +210,21 @@ def test_sessions_and_long_prompts_leave_no_lasting_cost(setup):
     """After a compacted session's request, later steps carry no per-key biases (every step
     would pay for them), and an idle engine gives back a cache grown for a long prompt."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.sessions.session import Session
 
     _, engine, tok = setup
     model = engine.model
     ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     cache = model_work.prefill(model, ids)
-    compact_row(model, tok, cache, 0, ids, 20, "am-highest", "repeat", 8)
+    compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, method="am-highest", query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     session = Session("s", "m", ids, cache)
     greedy = SamplingParams(max_tokens=4, temperature=0)
     plain = engine.new_sequence("p", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0))
@@ -301,7 +308,7 @@ def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_
     (which RoPE's relative scores hide from its answer, but not from a session written back
     or the prefix cache, which refused the row: a 400 on the server)."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
     from cdlm_serve.engine.sessions.session import Session
 
@@ -310,7 +317,14 @@ def test_a_row_freed_by_a_compacted_session_starts_the_next_request_at_position_
     engine = AREngine(model, tok, max_model_len=512, prefix_cache=PrefixCache(1 << 20))
     ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(7)).tolist()
     cache = model_work.prefill(model, ids)
-    compact_row(model, tok, cache, 0, ids, 20, "am-highest", "repeat", 8)
+    compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(20, method="am-highest", query_source="repeat", keep_recent=8),
+        CompactionRuntime(tokenizer=tok),
+    )
     session = Session("s", "m", ids, cache)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     engine.add(engine.new_sequence("c", [7, 8], greedy, session=session))

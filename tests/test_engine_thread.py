@@ -215,6 +215,7 @@ def test_with_two_cores_or_more_each_busy_engines_take_turns_on_the_wide_thread(
 
 
 def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
+    from cdlm_serve.engine.compaction import CompactionRuntime
     from cdlm_serve.server.compaction_thread import Compactions
 
     cores = CoreShare(2)
@@ -223,7 +224,8 @@ def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
     compactions = Compactions(cores)
     seen: dict[str, object] = {}
 
-    def fit(on_engine, on_fit) -> None:
+    def fit(runtime: CompactionRuntime) -> None:
+        on_engine, on_fit = runtime.on_engine, runtime.on_fit
         seen["alone"] = on_fit(lambda: (torch.get_num_threads(), threading.current_thread().name))
         thread.run(lambda: engine.add(["decoding", 10**12]))
         _until(lambda: len(engine.threads) > 0)  # the engine is decoding, beside this fit
@@ -233,7 +235,7 @@ def test_a_compaction_fits_beside_the_engine_on_a_share_of_the_cores():
         thread.run(engine.running.clear)
 
     try:
-        asyncio.run(compactions.run(fit, on_engine=thread.run))
+        asyncio.run(compactions.run(fit, CompactionRuntime(on_engine=thread.run)))
     finally:
         compactions.shutdown()
         thread.shutdown(timeout=10)

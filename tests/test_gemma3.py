@@ -256,7 +256,7 @@ def test_compaction_fits_the_global_layers_and_leaves_the_windows(pair):
     the logical length is kept, and the compacted row continues closer to the full one than
     a random choice of slots does (am-omp on repeat queries vs the random baseline)."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     _, ours = pair
     tok = tiny_models.byte_tokenizer()
@@ -273,7 +273,14 @@ def test_compaction_fits_the_global_layers_and_leaves_the_windows(pair):
     errors = {}
     for method in ("am-omp", "random"):
         cache = full.extract_row(0)
-        report = compact_row(ours, tok, cache, 0, ids, 40, method, "repeat")
+        report = compact_row(
+            ours,
+            cache,
+            0,
+            ids,
+            CompactionSpec.exact(40, method=method, query_source="repeat"),
+            CompactionRuntime(tokenizer=tok),
+        )
         assert cache.lengths == [40] and cache.logical == [160] and report.region == 160
         assert cache.window.ring == WINDOW  # the repeat pass grew it; given back
         for got, kept in zip(cache.window.ordered(0, 160), rings, strict=True):
@@ -312,7 +319,7 @@ def test_a_compacted_row_continues_as_transformers_over_its_kept_positions(pair)
     length, not the slot count), the windows' rings as they were. Two new tokens: they need
     one slot more than the ring, which the compaction trimmed back to the window."""
     from cdlm_serve.engine import model_work
-    from cdlm_serve.engine.compaction.row import compact_row
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 
     hf, ours = pair
     ids = _ids(160, 5)[0].tolist()
@@ -320,7 +327,14 @@ def test_a_compacted_row_continues_as_transformers_over_its_kept_positions(pair)
     layer = ours.cache_index[ours.config.global_layers[0]]  # the global layer's cache index
     original = cache.read(0, layer)[0].clone()  # [Hkv, 160, D]
     tok = tiny_models.byte_tokenizer()
-    compact_row(ours, tok, cache, 0, ids, 24, "streaming", "repeat", keep_recent=16)
+    compact_row(
+        ours,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(24, method="streaming", query_source="repeat", keep_recent=16),
+        CompactionRuntime(tokenizer=tok),
+    )
     assert cache.lengths == [40] and cache.logical == [160] and cache.window.ring == WINDOW
     keys, _, bias = cache.read(0, layer)
     assert bias is None or not bias.any()

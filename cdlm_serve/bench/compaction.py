@@ -68,10 +68,10 @@ from cdlm_serve.bench.facts import (
     measure,
     sequence_start,
 )
+from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.engine.compaction.budgets import load_schedule
 from cdlm_serve.engine.compaction.options import default_key_queries
 from cdlm_serve.engine.compaction.queries import reference_queries
-from cdlm_serve.engine.compaction.row import compact_row
 from cdlm_serve.engine.sessions.packed_cache import PackedCache
 from cdlm_serve.models import kernels
 from cdlm_serve.models.kv_cache import KVCache
@@ -134,20 +134,24 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
     spec = _parts(method)
     return compact_row(
         model,
-        tok,
         cache,
         0,
         ids,
-        target,
-        spec.name,
-        spec.source,
-        args.keep_recent,
-        seed=args.seed,
-        reference=(captured or {}).get(spec.source),
-        quantize=spec.quantize,
-        budgets=spec.budgets,
-        schedule=_schedule(model, args) if spec.budgets == "measured" else None,
-        key_queries=spec.keys,
+        CompactionSpec.exact(
+            target,
+            method=spec.name,
+            query_source=spec.source,
+            keep_recent=args.keep_recent,
+            quantize=spec.quantize,
+            budgets=spec.budgets,
+            key_queries=spec.keys,
+        ),
+        CompactionRuntime(
+            tokenizer=tok,
+            seed=args.seed,
+            reference=(captured or {}).get(spec.source),
+            schedule=_schedule(model, args) if spec.budgets == "measured" else None,
+        ),
     )
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from cdlm_serve.bench import cdlm_suites
-from cdlm_serve.engine.compaction.row import compact_row
+from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.engine.decoding.ar_engine import AREngine
 from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
 from cdlm_serve.engine.decoding.sampling import SamplingParams
@@ -200,7 +200,12 @@ def compaction(model: Transformer, device: str, tokens: int) -> dict:
     sync(device)
     t = time.perf_counter()
     report = compact_row(
-        model, byte_tokenizer(), cache, 0, ids, tokens // 10, method="am-highest-fast"
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(tokens // 10, method="am-highest-fast"),
+        CompactionRuntime(tokenizer=byte_tokenizer()),
     )
     sync(device)
     return {

@@ -36,9 +36,9 @@ from torch import Tensor
 
 from cdlm_serve.bench.compaction import QUERY_SOURCE, save_json
 from cdlm_serve.bench.facts import answer_loss, make_context
+from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.engine.compaction.budgets import SCHEDULE_MOST, schedule_name
 from cdlm_serve.engine.compaction.queries import reference_queries
-from cdlm_serve.engine.compaction.row import compact_row
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.sources import DEFAULT_AR_MODEL, resolve
@@ -232,7 +232,14 @@ def head_curves(model, tok, ids, facts, target: int, method: str, keep_recent: i
     segs = {}
     for name, t in levels.items():
         cache = full.extract_row(0)
-        compact_row(model, tok, cache, 0, ids, t, method, source, keep_recent, reference=queries)
+        compact_row(
+            model,
+            cache,
+            0,
+            ids,
+            CompactionSpec.exact(t, method=method, query_source=source, keep_recent=keep_recent),
+            CompactionRuntime(tokenizer=tok, reference=queries),
+        )
         segs[name] = segments(cache, t)
     slots = max(levels.values())
     work = swapped_cache(full, region, segs["base"], slots, rows=len(facts))

@@ -42,8 +42,12 @@ from torch import Tensor
 
 from cdlm_serve.bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
 from cdlm_serve.bench.facts import Probe, fact_nlls, kept, make_context, measure
+from cdlm_serve.engine.compaction import (
+    CompactionReport,
+    CompactionRuntime,
+    compact_row,
+)
 from cdlm_serve.engine.compaction.auto import AutoCompact
-from cdlm_serve.engine.compaction.row import CompactionReport, compact_row
 from cdlm_serve.models import kernels
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.loading import load_model
@@ -81,11 +85,11 @@ def feed(
         # METHOD[+int8][+attn|+measured], as bench.compaction's flags; the policy's own query
         # source and key queries (None), as a session created with it would compact.
         spec = _parts(method)
-        policy = AutoCompact(
+        policy = AutoCompact.of(
             args.max_tokens,
             args.ratio,
             spec.name,
-            args.keep_recent,
+            keep_recent=args.keep_recent,
             quantize=spec.quantize,
             budgets=spec.budgets,
         )
@@ -139,19 +143,13 @@ def _compact(
     runs); `segment`: the last compaction's segment_slots."""
     return compact_row(
         model,
-        tok,
         cache,
         0,
         history,
-        target,
-        policy.method,
-        policy.query_source,
-        policy.keep_recent,
-        quantize=policy.quantize,
-        budgets=policy.budgets,
-        schedule=schedule,
-        segment_slots=segment,
-        longest=policy.longest(target),
+        policy.spec,  # its target(physical) is `target`
+        CompactionRuntime(
+            tokenizer=tok, schedule=schedule, segment_slots=segment, longest=policy.longest(target)
+        ),
     )
 
 

@@ -14,10 +14,11 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
+from cdlm_serve.engine.compaction import CompactionRuntime
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.model_work import OnEngine
 from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 
@@ -54,12 +55,12 @@ class Compactions:
             with self._lock:
                 self._count -= 1
 
-    async def run(
-        self, fn: Callable[..., R], *args: Any, on_engine: OnEngine[Any], **kwargs: Any
-    ) -> R:
-        """`fn(*args, on_engine=..., on_fit=..., **kwargs)` on the compaction thread. It counts
-        as busy in the core share while it fits (each fit through the share, `on_fit`), and as
-        idle while a piece of its model work runs on the engine thread (`on_engine`)."""
+    async def run(self, fn: Callable[[CompactionRuntime], R], runtime: CompactionRuntime) -> R:
+        """`fn(runtime)` on the compaction thread, with `runtime.on_engine` and `on_fit` as
+        this thread runs them: it counts as busy in the core share while it fits (each fit
+        through the share, `on_fit`), and as idle while a piece of its model work runs on the
+        engine thread (`runtime.on_engine`)."""
+        on_engine = runtime.on_engine
 
         def piece(work: Callable[[], T]) -> T:
             self.cores.leave()
@@ -71,7 +72,7 @@ class Compactions:
 
         def job() -> R:
             with self.cores.working():
-                return fn(*args, on_engine=piece, on_fit=self.cores.run, **kwargs)
+                return fn(replace(runtime, on_engine=piece, on_fit=self.cores.run))
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 

@@ -38,7 +38,7 @@ async def expire(state: ServerState, session: Session) -> bool:
     """Remove an expired response; False where it stays for now (in use past LOCK_WAIT, or the
     shared tier refused)."""
     try:
-        await remove(state.sessions, session, LOCK_WAIT)
+        await remove(state.session_service, session, LOCK_WAIT)
     except APIError as e:
         log.info("expired response %s not removed yet: %s", session.id, e.message)
         return False

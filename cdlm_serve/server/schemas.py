@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, QUERY_SOURCES
+from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, MIN_RATIO, QUERY_SOURCES
 from cdlm_serve.engine.decoding import MODES
 from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import (
@@ -249,7 +249,7 @@ class AutoCompactSpec(BaseModel):
 
     model_config = STRICT
     max_tokens: int = Field(ge=16)
-    ratio: float = Field(ge=1.5)
+    ratio: float = Field(ge=MIN_RATIO)
     method: MethodName = "am-highest-fast"
     keep_recent: int = Field(0, ge=0)
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
@@ -271,7 +271,7 @@ class CompactOptions(BaseModel):
     after, over the compacted region), and with what (the routes that compact share these)."""
 
     model_config = STRICT
-    ratio: float | None = Field(None, ge=1.5)  # smaller gains are not worth a compaction
+    ratio: float | None = Field(None, ge=MIN_RATIO)  # smaller gains are not worth a compaction
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
     method: MethodName = "am-highest"

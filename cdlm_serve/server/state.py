@@ -17,7 +17,7 @@ from cdlm_serve.engine.core_share import CoreShare
 from cdlm_serve.engine.decoding import AREngine
 from cdlm_serve.engine.heap import HeapTrimmer
 from cdlm_serve.engine.served_model import ServedModel, load_served_model
-from cdlm_serve.engine.sessions import SessionStore
+from cdlm_serve.engine.sessions import SessionService, SessionStore
 from cdlm_serve.server.compaction_thread import Compactions
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics
@@ -70,6 +70,8 @@ class ServerState:
     # The cores, split among the threads with work (engine threads, the compaction thread).
     cores: CoreShare = field(default_factory=CoreShare.shared)
     compactions: Compactions = field(init=False)
+    # How requests use a session: lock, lease, load, commit or roll back (engine.sessions).
+    session_service: SessionService = field(init=False)
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
@@ -77,6 +79,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.compactions = Compactions(self.cores)
+        self.session_service = SessionService(self.sessions, self.settings.session_lock_wait)
         # Only CPU tensors live in glibc's heap: on CUDA the trims would find little to give.
         cpu = self.settings.device.type == "cpu"
         self.heap = HeapTrimmer(every_s=self.settings.heap_trim_seconds if cpu else 0.0)

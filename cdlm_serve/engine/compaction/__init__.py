@@ -3,9 +3,10 @@
 What the other subsystems use is exported here (the server, the sessions, the served model);
 the modules inside are the algorithm's parts, for this package, the benches and the tests:
 `options` (what can be asked), `queries` (reference queries), `attention_matching` and `nnls`
-(the per-head fit), `baselines`, `budgets` (slots per KV head), `row` (one row end to end:
-`compact_row`), `auto` (a session's online policy), `kv_quant` (a segment as int8 codes),
-`methods/` (one object per method: its traits and how it picks a head's slots).
+(the per-head fit), `spec` (what a compaction is asked: `CompactionSpec`), `baselines`, `budgets`
+(slots per KV head), `row` (one row end to end: `compact_row`), `auto` (a session's online policy),
+`kv_quant` (a segment as int8 codes), `methods/` (one object per method: its traits and how it
+picks a head's slots).
 """
 
 from cdlm_serve.engine.compaction.auto import AutoCompact
@@ -26,17 +27,27 @@ from cdlm_serve.engine.compaction.options import (
 )
 from cdlm_serve.engine.compaction.queries import reference_queries
 from cdlm_serve.engine.compaction.row import CompactionReport, compact_row
+from cdlm_serve.engine.compaction.spec import (
+    MIN_RATIO,
+    CompactionRuntime,
+    CompactionSpec,
+    SpecError,
+)
 
 __all__ = [
     "BUDGETS",
     "KEY_QUERIES",
     "METHODS",
+    "MIN_RATIO",
     "QUERY_SOURCES",
     "SCHEDULE_MOST",
     "AutoCompact",
     "CompactionMethod",
     "CompactionReport",
+    "CompactionRuntime",
+    "CompactionSpec",
     "QuantizedSegment",
+    "SpecError",
     "compact_row",
     "default_key_queries",
     "load_schedule",

@@ -13,58 +13,46 @@ while its cache stays near that size.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from cdlm_serve.engine.compaction.methods import METHODS
-from cdlm_serve.engine.compaction.options import BUDGETS, QUERY_SOURCES, resolve_key_queries
+from cdlm_serve.engine.compaction.spec import CompactionSpec, SpecError
 
-MIN_RATIO = 1.5  # as a requested compaction: smaller gains are not worth one
 MIN_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class AutoCompact:
     max_tokens: int  # physical slots the cache may hold before it is compacted
-    ratio: float  # slots before / after, over the compacted region
-    method: str = "am-highest-fast"
-    keep_recent: int = 0  # the newest slots, kept exact
-    query_source: str | None = None  # None: the method's own
-    quantize: str | None = None  # "int8": the compacted segment as int8 codes (kv_quant)
-    budgets: str = "uniform"  # "attention", "measured": per KV head (compaction_budgets)
-    key_queries: str | None = None  # whose attention ranks am-highest's keys; None: its own
+    spec: CompactionSpec  # what each compaction does (by its ratio)
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
             raise ValueError(f"max_tokens must be at least {MIN_MAX_TOKENS}")
-        if not math.isfinite(self.ratio) or self.ratio < MIN_RATIO:
-            raise ValueError(f"ratio must be at least {MIN_RATIO}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown compaction method {self.method!r}")
-        if self.query_source is not None and self.query_source not in QUERY_SOURCES:
-            raise ValueError(f"unknown query source {self.query_source!r}")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"unknown quantization {self.quantize!r}")
-        if self.budgets not in BUDGETS:
-            raise ValueError(f"unknown budgets {self.budgets!r}")
-        if self.budgets == "attention" and self.query_source == "on-policy":
-            raise ValueError("budgets by attention are not for on-policy queries")
-        resolve_key_queries(self.method, self.key_queries)  # kept as given: None stays None
-        if not 0 <= self.keep_recent <= self.max_tokens // 2:
+        if self.spec.ratio is None or self.spec.target_tokens is not None:
+            raise ValueError("an online compaction is by ratio")
+        if not 0 <= self.spec.keep_recent <= self.max_tokens // 2:
             # Else a compaction could not bring the cache back under max_tokens.
             raise ValueError("keep_recent must be between 0 and max_tokens / 2")
+
+    @classmethod
+    def of(
+        cls, max_tokens: int, ratio: float, method: str = "am-highest-fast", **options: Any
+    ) -> AutoCompact:
+        """A policy from its flat options (a request's `auto_compact`, a session's file)."""
+        return cls(max_tokens, CompactionSpec(method=method, ratio=ratio, **options))
 
     def due(self, physical: int) -> bool:
         """Whether a cache of `physical` slots is to be compacted now."""
         return physical > self.max_tokens
 
     def target(self, physical: int) -> int | None:
-        """Slots the compacted region gets (as a compaction requested with this `ratio`), or
+        """Slots the compacted region gets (as a compaction requested with this ratio), or
         None where that would not shrink it."""
-        region = physical - self.keep_recent
-        target = max(1, math.ceil(region / self.ratio))
-        return target if target < region else None
+        try:
+            return self.spec.target(physical)
+        except SpecError:
+            return None
 
     def longest(self, target: int) -> int:
         """The most slots one KV head may keep when non-uniform budgets split `target` per
@@ -72,16 +60,26 @@ class AutoCompact:
         as long as its longest head, so without it a head may keep its whole region (8t, a
         measured schedule's most, is all of it below 8x) and the row would never shrink:
         every append past max_tokens would compact again, and the row grow without end."""
-        return max(target, (self.max_tokens - self.keep_recent) // 2)
+        return max(target, (self.max_tokens - self.spec.keep_recent) // 2)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        spec = self.spec
+        return {
+            "max_tokens": self.max_tokens,
+            "ratio": spec.ratio,
+            "method": spec.method,
+            "keep_recent": spec.keep_recent,
+            "query_source": spec.query_source,
+            "quantize": spec.quantize,
+            "budgets": spec.budgets,
+            "key_queries": spec.key_queries,
+        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any] | None) -> AutoCompact | None:
         if obj is None:
             return None
-        return cls(
+        return cls.of(
             max_tokens=int(obj["max_tokens"]),
             ratio=float(obj["ratio"]),
             method=str(obj.get("method", "am-highest-fast")),

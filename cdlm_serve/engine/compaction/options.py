@@ -1,5 +1,5 @@
 """What a compaction can be asked for: its reference-query sources, key rankings and budgets,
-each method's defaults, and the check of a request's combination (`check_options`)."""
+each method's defaults (a request's combination is checked by `spec.CompactionSpec`)."""
 
 from __future__ import annotations
 
@@ -84,37 +84,3 @@ def default_query_source(name: str, device: torch.device) -> str:
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
 STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it.\nQuestion:"
-
-
-def check_options(
-    name: str,
-    query_source: str,
-    budgets: str,
-    quantize: str | None,
-    length: int,
-    keep_recent: int,
-    target: int,
-) -> int:
-    """The compaction a request asks for, checked (ValueError saying what is wrong); returns
-    the region it compacts, the row's first `length - keep_recent` slots."""
-    if method(name).scoring == "context" and query_source != "context":
-        raise ValueError(
-            f"{name} scores keys with the context's own queries: query_source must be "
-            f"'context', not {query_source!r}"
-        )
-    if query_source not in QUERY_SOURCES:
-        raise ValueError(
-            f"unknown query source {query_source!r}; known: {', '.join(QUERY_SOURCES)}"
-        )
-    region = length - keep_recent
-    if keep_recent < 0 or region < 1:
-        raise ValueError(f"keep_recent={keep_recent} leaves nothing of {length} slots to compact")
-    if not 1 <= target <= region:
-        raise ValueError(f"target {target} must be between 1 and the {region} slots compacted")
-    if budgets not in BUDGETS:
-        raise ValueError(f"unknown budgets {budgets!r}; known: {', '.join(BUDGETS)}")
-    if budgets == "attention" and query_source == "on-policy":
-        raise ValueError("budgets by attention need every layer's queries first: not on-policy")
-    if quantize not in (None, "int8"):  # checked before the row changes
-        raise ValueError(f"unknown quantization {quantize!r}; known: int8")
-    return region

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -69,9 +69,6 @@ from cdlm_serve.engine.compaction.kv_quant import QuantizedSegment, quantize_pre
 from cdlm_serve.engine.compaction.methods import CompactionMethod, registry
 from cdlm_serve.engine.compaction.options import (
     REPEAT_INSTRUCTION,
-    check_options,
-    default_query_source,
-    resolve_key_queries,
 )
 from cdlm_serve.engine.compaction.queries import (
     _Engine,
@@ -82,6 +79,7 @@ from cdlm_serve.engine.compaction.queries import (
     fitted_layers,
     reference_queries,
 )
+from cdlm_serve.engine.compaction.spec import CompactionRuntime, CompactionSpec
 from cdlm_serve.engine.model_work import OnEngine, inline
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.transformer import Transformer
@@ -125,60 +123,52 @@ class CompactionReport:
         return {**body, "seconds": dict(self.seconds), "ratio": round(self.ratio, 3)}
 
 
+INLINE = CompactionRuntime()  # a compaction run right here, as benches and tests do
+
+
 @torch.no_grad()  # not inference_mode: the cache tensors it makes must stay writable
 def compact_row(
     model: Transformer,
-    tokenizer: Any,
     cache: KVCache,
     row: int,
     context_ids: list[int],
-    target: int,
-    method: str = "am-highest",
-    query_source: str | None = None,
-    keep_recent: int = 0,
-    seed: int = 0,
-    max_queries: int = 2048,
-    on_engine: OnEngine[Any] = inline,
-    omp_budget: float | None = None,
-    on_fit: OnEngine[Any] = inline,
-    reference: list[Tensor] | None = None,
-    urgent: Callable[[], bool] | None = None,
-    quantize: str | None = None,
-    budgets: str = "uniform",
-    schedule: list[list[float]] | None = None,
-    key_queries: str | None = None,
-    segment_slots: int | None = None,
-    longest: int | None = None,
+    spec: CompactionSpec,
+    runtime: CompactionRuntime = INLINE,
 ) -> CompactionReport:
-    """Replace the row's first `length - keep_recent` slots by `target` slots per KV head.
+    """Replace the row's first `length - spec.keep_recent` slots by `spec.target(length)`
+    slots per KV head, as `spec` asks (`engine.compaction.spec`; SpecError if it cannot).
 
     `context_ids` is the token history the row holds (queries are built from it). Each KV head
-    fits at most `max_queries` reference queries (a seeded random subset of its group's): the
-    fits cost O(queries x tokens), and a few thousand queries already pin t << T slots.
-    `on_engine` runs the pieces that use the model (see the module's doc), `on_fit` each
-    layer's fit (the server's core share: on every core when nothing else is busy);
-    `omp_budget` bounds OMP's key selection, in seconds for the whole compaction.
+    fits at most `runtime.max_queries` reference queries (a seeded random subset of its
+    group's): the fits cost O(queries x tokens), and a few thousand queries already pin t << T
+    slots. `runtime.on_engine` runs the pieces that use the model (see the module's doc),
+    `on_fit` each layer's fit (the server's core share: on every core when nothing else is
+    busy); `omp_budget` bounds OMP's key selection, in seconds for the whole compaction.
     `reference`: the source's per-layer queries, captured before on this very row (a benchmark
     compacting one row many ways); not for on-policy, whose queries depend on the fit.
     `urgent()` says whether the model's requests wait for the pieces of model work (then they
     are about a decode step each, else larger: `models.layers.Pace`); without it, they are
-    small whenever `on_engine` is not `inline`. `quantize="int8"` stores the compacted
+    small whenever `on_engine` is not `inline`. `spec.quantize="int8"` stores the compacted
     segment as int8 codes (`engine.compaction.kv_quant`; the report carries them, `codes`).
-    `budgets="attention"` gives the KV heads of all layers their shares of the same total by
-    measured attention (`engine.compaction.budgets`; not with on-policy queries, which are
+    `spec.budgets="attention"` gives the KV heads of all layers their shares of the same total
+    by measured attention (`engine.compaction.budgets`; not with on-policy queries, which are
     fitted layer by layer); `budgets="measured"` splits it by the model's measured
-    `schedule` (per layer, per KV head, its share: `compaction_budgets.load_schedule`). The
+    `runtime.schedule` (per layer, per KV head, its share: `budgets.load_schedule`). The
     segment is then as long as its longest head, the others' extra slots masked; `longest`
     caps that head (an auto-compaction's, `AutoCompact.longest`, so that its row shrinks).
-    `key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES; by default
-    `default_key_queries`): "context" takes `context_key_queries`, max_queries / group of
-    them (each KV head ranks by its group's queries at those positions). `segment_slots`: on
-    a row compacted before, its last compaction's (the report's); lets the context ranking
-    re-read the tokens after the segment instead of a causal pass over the whole history."""
-    query_source = query_source or default_query_source(method, model.device)
+    `spec.key_queries`: whose attention ranks the am-highest variants' keys (KEY_QUERIES):
+    "context" takes `context_key_queries`, max_queries / group of them (each KV head ranks by
+    its group's queries at those positions). `runtime.segment_slots`: on a row compacted
+    before, its last compaction's (the report's); lets the context ranking re-read the tokens
+    after the segment instead of a causal pass over the whole history."""
+    method, quantize, budgets = spec.method, spec.quantize, spec.budgets
+    query_source, key_queries = spec.source_on(model.device), spec.ranking()
     length = cache.lengths[row]
-    region = check_options(method, query_source, budgets, quantize, length, keep_recent, target)
-    key_queries = resolve_key_queries(method, key_queries)
+    target, region = spec.target(length), spec.region(length)
+    tokenizer, seed, max_queries = runtime.tokenizer, runtime.seed, runtime.max_queries
+    on_engine, on_fit, urgent = runtime.on_engine, runtime.on_fit, runtime.urgent
+    omp_budget, reference, schedule = runtime.omp_budget, runtime.reference, runtime.schedule
+    segment_slots, longest = runtime.segment_slots, runtime.longest
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     budget = None if omp_budget is None else OmpBudget.starting_now(omp_budget)

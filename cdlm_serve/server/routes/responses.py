@@ -31,9 +31,9 @@ from fastapi.responses import Response
 
 from cdlm_serve.engine import model_work
 from cdlm_serve.engine.served_model import ServedModel
-from cdlm_serve.engine.sessions import MirrorError, Session, SessionError
+from cdlm_serve.engine.sessions import Session, SessionError
 from cdlm_serve.server import planning, response_retention, streaming
-from cdlm_serve.server.compactions import compact
+from cdlm_serve.server.compactions import compact, compaction_spec
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.planning import Choice, UsageCount, record, run_choices, usage
 from cdlm_serve.server.response_input import (
@@ -50,8 +50,6 @@ from cdlm_serve.server.response_schemas import ResponseCompactRequest, ResponseC
 from cdlm_serve.server.routes.sessions import auto_compact_policy, using
 from cdlm_serve.server.schemas import (
     SESSION_ERROR_RESPONSES,
-    CompactOptions,
-    CompactRequest,
     CompletionRequest,
 )
 from cdlm_serve.server.session_access import (
@@ -59,11 +57,10 @@ from cdlm_serve.server.session_access import (
     catch_up,
     find,
     load_cache,
-    locked,
+    opened,
     persist,
     remove,
     session_error,
-    tier_error,
     unstoppable,
 )
 from cdlm_serve.server.state import ServerState, State
@@ -332,7 +329,7 @@ async def _open(
 
 async def _discard(state: ServerState, session: Session) -> None:
     """Remove a response that failed before it was stored whole."""
-    await remove(state.sessions, session, state.settings.session_lock_wait)
+    await remove(state.session_service, session, state.settings.session_lock_wait)
 
 
 async def _answer(
@@ -382,7 +379,7 @@ async def _commit(state: ServerState, answer: Answer, session: Session | None) -
     session.response = {**answer.body(True), INPUT_ITEMS: input_items(answer.req.input)}
     session.dirty = True
     try:
-        await persist(state.sessions, session)
+        await persist(state.session_service, session)
     except BaseException:
         session.response = None  # not stored: discarded
         raise
@@ -439,7 +436,7 @@ async def _events(
 )
 async def get_response(rid: str, state: State) -> dict[str, Any]:
     session = await _stored(state, rid, "response_id")
-    await catch_up(state.sessions, session)
+    await catch_up(state.session_service, session)
     if session.response is None:  # replaced meanwhile by a copy that is not a response
         raise _not_found(rid, "response_id")
     return {k: v for k, v in session.response.items() if k != INPUT_ITEMS}
@@ -462,7 +459,7 @@ async def list_input_items(
     `order=asc`, `limit` a page, `after` an item id). A response stored before the server kept
     them lists none."""
     session = await _stored(state, rid, "response_id")
-    await catch_up(state.sessions, session)
+    await catch_up(state.session_service, session)
     if session.response is None:
         raise _not_found(rid, "response_id")
     return items_page(session.response.get(INPUT_ITEMS, []), limit, order, after)
@@ -476,7 +473,7 @@ async def list_input_items(
 )
 async def delete_response(rid: str, state: State) -> dict[str, Any]:
     session = await _stored(state, rid, "response_id")
-    await remove(state.sessions, session, state.settings.session_lock_wait)
+    await remove(state.session_service, session, state.settings.session_lock_wait)
     return {"id": rid, "object": "response", "deleted": True}
 
 
@@ -489,8 +486,7 @@ async def delete_response(rid: str, state: State) -> dict[str, Any]:
 )
 async def compact_response(req: ResponseCompactRequest, state: State) -> dict[str, Any]:
     served = _chat_model(state, req.model)
-    if req.ratio is not None and req.target_tokens is not None:
-        raise APIError(400, "give at most one of ratio and target_tokens", param="ratio")
+    spec = compaction_spec(req, default_ratio=DEFAULT_COMPACT_RATIO)
     turn = parse_input(req.input, req.instructions)
     previous = _previous(req.previous_response_id, turn)
     if previous is not None and turn.messages:
@@ -508,10 +504,6 @@ async def compact_response(req: ResponseCompactRequest, state: State) -> dict[st
             raise APIError(
                 400, f"response {previous!r} belongs to model {parent.model!r}", param="model"
             )
-    chosen = req.model_dump(include=set(CompactOptions.model_fields))
-    options = CompactRequest.model_validate(chosen)
-    if req.target_tokens is None:
-        options.ratio = req.ratio or DEFAULT_COMPACT_RATIO
     made: list[Session] = []
     try:
         if parent is not None:
@@ -530,7 +522,7 @@ async def compact_response(req: ResponseCompactRequest, state: State) -> dict[st
         body = _compaction_body(rid, served.name, previous, instructions, session)
         async with state.compactions.slot():
             session.response = body
-            report = await unstoppable(compact(state, served, session, options))
+            report = await unstoppable(compact(state, served, session, spec))
     except BaseException:  # not compacted: as if never made
         for own in made:
             if not own.deleted:
@@ -576,15 +568,9 @@ async def _open_fork(
 ) -> Session:
     """A fork of `parent` (under its lock), added to `made` the moment it exists: a request
     cancelled while it gives the parent's lock back still discards it."""
-    try:
-        async with locked(state.sessions, parent, state.settings.session_lock_wait):
-            await load_cache(state, served, parent)
-            made.append(state.sessions.fork(parent, rid))
-            return made[-1]
-    except SessionError as e:
-        raise session_error(e, "previous_response_id") from None
-    except MirrorError as e:
-        raise tier_error(e) from None
+    async with opened(state, parent, served=served, param="previous_response_id"):
+        made.append(state.sessions.fork(parent, rid))
+        return made[-1]
 
 
 async def _prefilled(
@@ -600,7 +586,7 @@ async def _prefilled(
     except SessionError as e:
         raise session_error(e, "input") from None
     made.append(session)
-    async with locked(store, session, state.settings.session_lock_wait):
+    async with opened(state, session):  # committed by the compaction that follows
         cache = await asyncio.to_thread(
             model_work.prefill, served.model, ids, served.thread.run, served.thread.has_requests
         )

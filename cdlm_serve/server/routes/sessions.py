@@ -24,7 +24,7 @@ from cdlm_serve.engine.compaction import AutoCompact
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.engine.sessions import MirrorError, Session, SessionError
 from cdlm_serve.server import completions, planning, streaming
-from cdlm_serve.server.compactions import after_append, compact
+from cdlm_serve.server.compactions import after_append, compact, compaction_spec
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.schemas import (
     ERROR_RESPONSES,
@@ -41,8 +41,8 @@ from cdlm_serve.server.session_access import (
     drop,
     find,
     load_cache,
-    locked,
     model_for,
+    opened,
     persist,
     release,
     remove,
@@ -69,19 +69,19 @@ async def using(
     lock never goes while a write of the session is still running. A session `keep()` then
     refuses (a response that was never finished) is removed instead, under the same lock:
     never written, so a crash cannot leave it behind."""
-    await acquire(state.sessions, session, state.settings.session_lock_wait)
+    await acquire(state.session_service, session, state.settings.session_lock_wait)
 
     async def finish() -> None:
         kept = keep()
         try:
-            await (persist if kept else drop)(state.sessions, session)
+            await (persist if kept else drop)(state.session_service, session)
         except APIError as e:  # the answer already said so, or was never asked for
             log.warning("session %s not stored: %s", session.id, e.message)
         finally:
-            await release(state.sessions, session)
+            await release(state.session_service, session)
         if kept:
             after_append(state, served, session)
-        await spill(state.sessions)
+        await spill(state.session_service)
 
     try:
         yield
@@ -119,7 +119,7 @@ async def _continuation(
 ) -> AsyncGenerator[Any, None]:
     """Yields None once admitted (the session locked and loaded, the request planned), then
     the stream's chunks or the one response body."""
-    store = state.sessions
+    store, service = state.sessions, state.session_service
     async with using(state, served, session):
         await load_cache(state, served, session)
         choices = planning.plan_session(served, req, session)
@@ -134,13 +134,13 @@ async def _continuation(
             body = await streaming.until_disconnected(
                 request, completions.complete(served, req, choices, state.metrics)
             )
-            await persist(store, session)
+            await persist(service, session)
             yield body
             return
 
         async def commit() -> APIError | None:  # before the client hears it is done
             try:
-                await persist(store, session)
+                await persist(service, session)
             except APIError as e:
                 return e
             return None
@@ -155,7 +155,7 @@ def auto_compact_policy(spec: AutoCompactSpec | None, served: ServedModel) -> Au
     if spec is None:
         return None
     try:
-        policy = AutoCompact(**spec.model_dump())
+        policy = AutoCompact.of(**spec.model_dump())
     except ValueError as e:
         raise APIError(400, str(e), param="auto_compact") from None
     if policy.max_tokens >= served.max_model_len:
@@ -165,7 +165,7 @@ def auto_compact_policy(spec: AutoCompactSpec | None, served: ServedModel) -> Au
             f"({served.max_model_len})",
             param="auto_compact",
         )
-    if policy.budgets == "measured" and served.budget_schedule is None:
+    if policy.spec.budgets == "measured" and served.budget_schedule is None:
         raise APIError(
             400,
             f"model {served.name!r} has no measured budget schedule (auto_compact.budgets)",
@@ -205,7 +205,7 @@ LINKS = {
     responses={**SESSION_ERROR_RESPONSES, 201: {"description": "the session", "links": LINKS}},
 )
 async def create_session(req: SessionCreateRequest, state: State) -> JSONResponse:
-    store, wait = state.sessions, state.settings.session_lock_wait
+    store, service = state.sessions, state.session_service
     served = state.get(req.model)
     if served.is_diffusion:
         raise APIError(400, "sessions are for autoregressive models", param="model")
@@ -236,25 +236,19 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
         raise tier_error(e) from None
 
     async def build() -> None:
-        try:
-            async with locked(store, session, wait):
-                if ids:
-                    cache = await asyncio.to_thread(
-                        model_work.prefill,
-                        served.model,
-                        ids,
-                        served.thread.run,
-                        served.thread.has_requests,
-                    )
-                    session.rewrite(cache, ids)
-                await persist(store, session)
-        except BaseException:
-            if session.version is None:  # never committed: as if it had never been
-                store.forget(session)
-                await asyncio.to_thread(store.delete, session)
-            raise
+        # Committed, or (never committed) removed whole: as if it had never been.
+        async with opened(state, session, write=True):
+            if ids:
+                cache = await asyncio.to_thread(
+                    model_work.prefill,
+                    served.model,
+                    ids,
+                    served.thread.run,
+                    served.thread.has_requests,
+                )
+                session.rewrite(cache, ids)
         after_append(state, served, session)
-        await spill(store)
+        await spill(service)
 
     await unstoppable(build())
     return JSONResponse(session.describe(), status_code=201)
@@ -266,17 +260,15 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
     "/v1/sessions", operation_id="list_sessions", responses=ERROR_RESPONSES, response_model=None
 )
 async def list_sessions(state: State) -> dict[str, Any]:
-    store = state.sessions
-    return {"object": "list", "data": [s.describe() for s in store.all()]}
+    return {"object": "list", "data": [s.describe() for s in state.sessions.all()]}
 
 
 @router.get(
     "/v1/sessions/{sid}", operation_id="get_session", responses=ERROR_RESPONSES, response_model=None
 )
 async def get_session(sid: str, state: State) -> dict[str, Any]:
-    store = state.sessions
     session = await find(state, sid)
-    await catch_up(store, session)
+    await catch_up(state.session_service, session)
     return session.describe()
 
 
@@ -288,7 +280,7 @@ async def get_session(sid: str, state: State) -> dict[str, Any]:
 )
 async def delete_session(sid: str, state: State) -> dict[str, Any]:
     session = await find(state, sid)
-    await remove(state.sessions, session, state.settings.session_lock_wait)
+    await remove(state.session_service, session, state.settings.session_lock_wait)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 
 
@@ -301,8 +293,7 @@ async def delete_session(sid: str, state: State) -> dict[str, Any]:
 async def compact_session(sid: str, req: CompactRequest, state: State) -> dict[str, Any]:
     session = await find(state, sid)
     served = model_for(state, session)
-    if (req.ratio is None) == (req.target_tokens is None):
-        raise APIError(400, "give exactly one of ratio and target_tokens", param="ratio")
+    spec = compaction_spec(req)
     async with state.compactions.slot():
-        body = await unstoppable(compact(state, served, session, req))
+        body = await unstoppable(compact(state, served, session, spec))
     return {"id": sid, "object": "session.compaction", **body, "session": session.describe()}
