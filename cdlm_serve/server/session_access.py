@@ -133,21 +133,16 @@ async def opened(
 ) -> AsyncIterator[Session]:
     """`SessionService.open` with the API's errors: the session held (its cache loaded onto
     `served`'s model where given); a write committed on the way out, or rolled back."""
-    load = None if served is None else (served.model.device, served.model.dtype)
     with translated(session.id, param):
-        async with state.session_service.open(session, write, load) as held:
+        async with state.session_service.open(session, write) as held:
+            if served is not None:
+                await load_cache(state, served, session)
             yield held
 
 
-@asynccontextmanager
-async def locked(
-    service: SessionService, session: Session, wait: float | None = None
-) -> AsyncIterator[None]:
-    """Hold the session's lock and lease (409 if they stay busy for `wait` seconds); no
-    commit on the way out (the caller commits, `persist`)."""
-    with translated(session.id):
-        async with service.open(session, wait=wait):
-            yield
+class SessionReadError(RuntimeError):
+    """A committed session's files could not be read back (a 500: nothing the client did, and
+    nothing changed); not a full disk, which only a write can meet."""
 
 
 async def persist(service: SessionService, session: Session) -> None:
@@ -160,10 +155,12 @@ async def persist(service: SessionService, session: Session) -> None:
 
 async def load_cache(state: ServerState, served: ServedModel, session: Session) -> None:
     """Bring a spilled session's cache back into memory (hold its lock)."""
-    with translated(session.id):
+    try:
         await asyncio.to_thread(
             state.sessions.load, session, served.model.device, served.model.dtype
         )
+    except OSError as e:
+        raise SessionReadError(f"session {session.id!r} could not be read back: {e}") from e
 
 
 async def spill(service: SessionService) -> None:
