@@ -4,17 +4,9 @@ themselves when `engine.decoding.dlm_modes` is imported, a new one when its file
 from __future__ import annotations
 
 from cdlm_serve.engine.decoding.dlm_modes.base import DecodingMode
+from cdlm_serve.engine.registry import Registry
 
-MODES: dict[str, DecodingMode] = {}
-
-
-def register(mode: DecodingMode) -> DecodingMode:
-    """Add a mode under its name (a second mode of one name is a mistake, refused)."""
-    if mode.name in MODES and type(MODES[mode.name]) is not type(mode):
-        raise ValueError(f"a decoding mode named {mode.name!r} is already registered")
-    MODES[mode.name] = mode
-    return mode
-
-
-def unregister(name: str) -> None:
-    MODES.pop(name, None)
+_MODES = Registry[DecodingMode]("decoding mode")
+MODES = _MODES.items
+register = _MODES.register
+unregister = _MODES.unregister
