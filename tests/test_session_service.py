@@ -104,3 +104,28 @@ def test_a_held_session_is_busy_for_another_open(tmp_path):
 
     asyncio.run(both())
     assert not session.lock.locked()
+
+
+def test_a_cache_that_cannot_be_read_back_is_a_read_error_not_a_full_disk(tmp_path, monkeypatch):
+    """A read that fails (EIO, a file gone) is no 507 'out of space': the server answers 500,
+    and the session stays as committed."""
+    import errno
+
+    from cdlm_serve.engine.sessions import SessionReadError
+
+    service = SessionService(SessionStore(tmp_path, 1 << 30))
+    _grown(service, "s", [1, 2, 3])
+    session = service.store.get("s")
+
+    def unreadable(*_):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(service.store, "load", unreadable)
+
+    async def read() -> None:
+        async with service.open(session, load=CPU):
+            pass
+
+    with pytest.raises(SessionReadError, match="could not be read back"):
+        asyncio.run(read())
+    assert list(session.tokens) == [1, 2, 3] and not session.lock.locked()

@@ -9,7 +9,6 @@ loop, and a change of a session's state is finished even if the request is cance
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -133,16 +132,10 @@ async def opened(
 ) -> AsyncIterator[Session]:
     """`SessionService.open` with the API's errors: the session held (its cache loaded onto
     `served`'s model where given); a write committed on the way out, or rolled back."""
+    load = None if served is None else (served.model.device, served.model.dtype)
     with translated(session.id, param):
-        async with state.session_service.open(session, write) as held:
-            if served is not None:
-                await load_cache(state, served, session)
+        async with state.session_service.open(session, write, load) as held:
             yield held
-
-
-class SessionReadError(RuntimeError):
-    """A committed session's files could not be read back (a 500: nothing the client did, and
-    nothing changed); not a full disk, which only a write can meet."""
 
 
 async def persist(service: SessionService, session: Session) -> None:
@@ -154,13 +147,9 @@ async def persist(service: SessionService, session: Session) -> None:
 
 
 async def load_cache(state: ServerState, served: ServedModel, session: Session) -> None:
-    """Bring a spilled session's cache back into memory (hold its lock)."""
-    try:
-        await asyncio.to_thread(
-            state.sessions.load, session, served.model.device, served.model.dtype
-        )
-    except OSError as e:
-        raise SessionReadError(f"session {session.id!r} could not be read back: {e}") from e
+    """Bring a spilled session's cache back into memory (hold its lock; a read that fails is
+    a 500, `SessionReadError`, not a full disk's 507)."""
+    await state.session_service.load(session, (served.model.device, served.model.dtype))
 
 
 async def spill(service: SessionService) -> None:

@@ -13,6 +13,7 @@ from cdlm_serve.engine.sessions.packed_cache import PackedCache
 from cdlm_serve.engine.sessions.service import (
     SessionBusy,
     SessionNotFound,
+    SessionReadError,
     SessionService,
     unstoppable,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "SessionError",
     "SessionMirror",
     "SessionNotFound",
+    "SessionReadError",
     "SessionService",
     "SessionStore",
     "check_id",

@@ -44,6 +44,11 @@ class SessionNotFound(SessionError):
         super().__init__(f"session {sid!r} {why}")
 
 
+class SessionReadError(RuntimeError):
+    """A committed session's files could not be read back (a 500: nothing the client did, and
+    nothing changed); not a full disk, which only a write can meet."""
+
+
 class SessionBusy(SessionError):
     """Its lock or its lease stayed busy for the wait allowed (409)."""
 
@@ -88,7 +93,7 @@ class SessionService:
         try:
             try:
                 if load is not None:
-                    await asyncio.to_thread(self.store.load, session, *load)
+                    await self.load(session, load)
                 yield session
                 if write:
                     await self.commit(session)
@@ -98,6 +103,13 @@ class SessionService:
                 raise
         finally:
             await self.release(session)
+
+    async def load(self, session: Session, placement: Placement) -> None:
+        """Bring the held session's cache into memory (read back if it was spilled)."""
+        try:
+            await asyncio.to_thread(self.store.load, session, *placement)
+        except OSError as e:
+            raise SessionReadError(f"session {session.id!r} could not be read back: {e}") from e
 
     async def commit(self, session: Session) -> None:
         """Write the held session's change (disk, then tier); on failure it is as before."""
