@@ -16,6 +16,7 @@ import torch
 
 from cdlm_serve.engine import core_share
 from cdlm_serve.engine.core_share import CoreShare
+from cdlm_serve.engine.decoding import Priority, WorkQueue
 from cdlm_serve.engine.engine_thread import EngineThread
 
 
@@ -31,6 +32,7 @@ class CountingEngine:
     def __init__(self) -> None:
         self.steps = 0
         self.running: list[list] = []
+        self.work = WorkQueue()
 
     def add(self, seq) -> None:
         self.running.append(seq)
@@ -104,10 +106,13 @@ class TimedEngine(CountingEngine):
         return super().step()
 
 
-def test_short_jobs_get_as_much_time_between_two_steps_as_a_step_takes():
+@pytest.mark.parametrize("priority", [Priority.REQUEST, Priority.BACKGROUND])
+def test_short_jobs_get_their_prioritys_share_of_a_steps_time_between_two_steps(priority):
     """A long piece of work cut into short jobs, each submitted when the last one's result is
-    back (as a compaction does): between two steps they run for about a step's time, so the
-    work gets about half the thread instead of one short job per step; and never much more."""
+    back (as a compaction does): between two steps they run for their priority's share of a
+    step's time (a request's: as long as a step; background work: half as long), so the work
+    gets about half (a third of) the thread instead of one short job per step; and never much
+    more."""
     engine = TimedEngine(0.03)
     thread = EngineThread("w", engine)
     thread.run(lambda: engine.add(["long", 10**12]))
@@ -120,12 +125,35 @@ def test_short_jobs_get_as_much_time_between_two_steps_as_a_step_takes():
         ran.append((started, time.perf_counter(), engine.steps))
 
     for _ in range(60):
-        thread.run(job)
+        thread.run(job, priority)
     turns = {steps for *_, steps in ran}
     assert len(turns) <= 60 / 4  # several jobs per turn (one job per step would be 60 turns)
-    for turn in turns:  # a turn's jobs stop once they had a step's time, plus one job at most
+    share = {Priority.REQUEST: 0.03, Priority.BACKGROUND: 0.015}[priority]
+    for turn in turns:  # a turn's jobs stop once they had their share, plus one job at most
         spans = [(a, b) for a, b, steps in ran if steps == turn]
-        assert sum(b - a for a, b in spans) <= 0.03 + 0.02 + 0.01  # step, one job, slack
+        assert sum(b - a for a, b in spans) <= share + 0.004 + 0.006  # share, one job, slack
+    thread.run(engine.running.clear)
+    thread.shutdown(timeout=10)
+
+
+def test_queued_work_runs_in_priority_order():
+    engine = TimedEngine(0.01)
+    thread = EngineThread("w", engine)
+    thread.run(lambda: engine.add(["long", 10**12]))
+    gate = threading.Event()
+    order: list[str] = []
+    held = thread.submit(gate.wait)  # holds the thread: the next ones queue up behind it
+    _until(held.running)
+    later = [
+        thread.submit(lambda: order.append("background 1"), Priority.BACKGROUND),
+        thread.submit(lambda: order.append("request"), Priority.REQUEST),
+        thread.submit(lambda: order.append("background 2"), Priority.BACKGROUND),
+    ]
+    time.sleep(0.05)
+    gate.set()
+    for f in later:
+        f.result(timeout=30)
+    assert order == ["request", "background 1", "background 2"]
     thread.run(engine.running.clear)
     thread.shutdown(timeout=10)
 

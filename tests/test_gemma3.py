@@ -13,7 +13,6 @@ import tiny_models
 from cdlm_serve.engine.decoding.ar_engine import AREngine
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.sampling import SamplingParams
-from cdlm_serve.engine.model_work import PREFILL_HEADROOM
 from cdlm_serve.models.loading import load_model
 
 WINDOW = tiny_models.GEMMA3_TINY["sliding_window"]
@@ -233,9 +232,8 @@ def test_an_8k_session_holds_window_sized_rings_through_http_and_a_restart(
         assert r.status_code == 201, r.text
         info = r.json()
         assert info["tokens"] == info["physical_tokens"] == 8000
-        # One global layer's 8,000 slots (and the prefill's headroom), two window layers' 8
-        # slots each: nothing more.
-        assert info["bytes"] == (8000 + PREFILL_HEADROOM) * kv + 2 * WINDOW * kv
+        # One global layer's 8,000 slots, two window layers' 8 slots each: nothing more.
+        assert info["bytes"] == 8000 * kv + 2 * WINDOW * kv
         whole = complete(base, prompt=text + "Q:")
         assert complete(base, prompt="Q:", session_id="long", append=False) == whole
     with tiny_session_server(long_gemma_dir, tmp_path) as base:

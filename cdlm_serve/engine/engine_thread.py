@@ -6,14 +6,15 @@ the coroutine waiting for them; a request arrives as a function that builds its 
 an `aborted()` check), and leaves as an async iterator of its outputs. A consumer that goes away
 sets the abort flag; the engine drops the sequence at its next step.
 
-Model work that is not a sequence (a session's prefill, prompt logprobs, a compaction's query
-capture) is submitted as jobs (`submit`, `call`, `run`): each runs on this thread, one between
-two steps, so the model is only ever used from here and long work, cut into pieces, never stops
-decoding for longer than one piece.
+Model work that is not a sequence (a compaction's pieces) is submitted as work with a priority
+(`submit`, `call`, `run`) into the engine's `WorkQueue`, which says when each piece runs: between
+two steps, for its priority's share of the thread (`engine.decoding.scheduler`). This thread only
+executes what the engine's scheduler and work queue hand it, so the model is only ever used from
+here, and long work, cut into pieces, never stops decoding for longer than one piece.
 
-Each step and job runs through the server's core share (`engine.core_share.CoreShare.run`: on
-every core when this is the only busy thread, on one beside the others): busy while it has work,
-idle (its cores handed to the other threads) while it waits for some.
+Each step and piece of work runs through the server's core share (`engine.core_share.CoreShare.
+run`: on every core when this is the only busy thread, on one beside the others): busy while it
+has work, idle (its cores handed to the other threads) while it waits for some.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.decoding import Engine, EngineOutput
+from cdlm_serve.engine.decoding import Engine, EngineOutput, Priority, Work
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class QueueFull(RuntimeError):
 
 
 _DONE = object()
-JOB_FOLLOW_SECONDS = 0.002  # how long a turn with job time left waits for the next job
+WORK_FOLLOW_SECONDS = 0.002  # how long a turn with work time left waits for the next piece
 
 
 @dataclass(slots=True)
@@ -51,14 +52,6 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[object]  # its EngineOutputs, then an exception or _DONE
     aborted: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(slots=True)
-class _Job:
-    """A piece of model work run on the engine thread between two steps."""
-
-    fn: Callable[[], Any]
-    result: Future[Any]
 
 
 class EngineThread:
@@ -75,15 +68,10 @@ class EngineThread:
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called with each step's wall time (metrics)
-        self._inbox: queue.Queue[_Request | _Job | None] = queue.Queue()
+        self._inbox: queue.Queue[_Request | Work | None] = queue.Queue()
         self._live: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._stop = False
-        # Jobs share this thread's time with the steps: between two steps they may run for as
-        # long as the last step took (then at most one more job), so a long piece of work cut
-        # into small jobs gets about half the thread, not one small job per step.
-        self._last_step = 0.0
-        self._turn_jobs = 0.0  # seconds of jobs since the last step
         self._thread = threading.Thread(target=self._run, name=f"batch-{name}", daemon=True)
         self._thread.start()
 
@@ -131,25 +119,25 @@ class EngineThread:
         finally:
             req.aborted.set()
 
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run `fn()` on the engine thread between two steps (it may use the model freely);
-        its result or exception arrives in the returned future. Requests already decoding wait
-        for it, so keep each piece of work short: long work is cut into pieces and submitted
-        one at a time, letting decode steps run in between. From any thread."""
-        job = _Job(fn, Future())
+    def submit(self, fn: Callable[[], Any], priority: Priority = Priority.REQUEST) -> Future[Any]:
+        """Run `fn()` on the engine thread between two steps (it may use the model freely), when
+        the engine's work queue gives it its turn; its result or exception arrives in the
+        returned future. Requests already decoding wait for it, so keep each piece short: long
+        work is cut into pieces and submitted one at a time. From any thread."""
+        work = self.engine.work.make(fn, priority)
         if self._stop or not self._thread.is_alive():
-            job.result.set_exception(RuntimeError(f"{self.name}: the engine is shutting down"))
-            return job.result
-        self._inbox.put_nowait(job)
-        return job.result
+            work.result.set_exception(RuntimeError(f"{self.name}: the engine is shutting down"))
+            return work.result
+        self._inbox.put_nowait(work)
+        return work.result
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
+    async def call(self, fn: Callable[[], Any], priority: Priority = Priority.REQUEST) -> Any:
         """`submit` for the event loop: await the result."""
-        return await asyncio.wrap_future(self.submit(fn))
+        return await asyncio.wrap_future(self.submit(fn, priority))
 
-    def run(self, fn: Callable[[], Any]) -> Any:
+    def run(self, fn: Callable[[], Any], priority: Priority = Priority.REQUEST) -> Any:
         """`submit` for a thread that may block (a compaction thread): wait for the result."""
-        future = self.submit(fn)
+        future = self.submit(fn, priority)
         while True:
             try:
                 return future.result(timeout=1.0)
@@ -167,22 +155,31 @@ class EngineThread:
             self._drain()
 
     def _drain(self) -> None:
-        """After the loop ends: nothing left in the inbox may wait forever."""
+        """After the loop ends: nothing left in the inbox or the work queue may wait forever."""
+        stopped = RuntimeError(f"{self.name}: the engine has stopped")
+        for work in self.engine.work.drain():
+            work.result.set_exception(stopped)
         while True:
             try:
                 req = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(req, _Job):
-                req.result.set_exception(RuntimeError(f"{self.name}: the engine has stopped"))
+            if isinstance(req, Work):
+                req.result.set_exception(stopped)
             elif req is not None:
-                self._send(req, RuntimeError(f"{self.name}: the engine has stopped"))
+                self._send(req, stopped)
                 self._send(req, _DONE)
 
+    def _busy(self) -> bool:
+        return self.engine.has_work() or len(self.engine.work) > 0
+
     def _loop(self) -> None:
+        work = self.engine.work
         while True:
-            if not self._admit(block=not self.engine.has_work()):
+            if not self._admit(block=not self._busy()):
                 break
+            if self._work_turn():  # a piece of work ran: admission again, then maybe more
+                continue
             if not self.engine.has_work():
                 continue
             try:
@@ -193,45 +190,60 @@ class EngineThread:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            self._last_step, self._turn_jobs = elapsed, 0.0
+            work.stepped(elapsed)
             if self.on_step is not None:
                 self.on_step(elapsed)
-            for out in outputs:
-                req = self._live.get(out.request_id)
-                if req is None:
-                    continue
-                self._send(req, out)
-                if out.finish_reason is not None:
-                    self._send(req, _DONE)
-                    del self._live[req.id]
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        """Each output to its request. A method of its own so that no finished request (its
+        sequence builder, and through it a session and its cache) stays referenced by a local
+        variable while the thread waits for the next one."""
+        for out in outputs:
+            req = self._live.get(out.request_id)
+            if req is None:
+                continue
+            self._send(req, out)
+            if out.finish_reason is not None:
+                self._send(req, _DONE)
+                del self._live[req.id]
+
+    def _work_turn(self) -> bool:
+        """Run the piece of work the queue says is due now, if any. A method of its own so that
+        nothing of the piece (its closure, its result) stays referenced while the thread waits
+        for the next request: a compaction's caches would live on with it (issue 42)."""
+        work = self.engine.work
+        piece = work.next(decoding=self.engine.has_work())
+        if piece is None:
+            return False
+        started = time.perf_counter()
+        self.cores.run(functools.partial(self._run_work, piece))
+        work.worked(time.perf_counter() - started)
+        return True
 
     def _admit(self, block: bool) -> bool:
-        """Move new requests into the engine; False once shutdown was asked and nothing is
-        left to do."""
+        """Move new requests into the engine and new work into its queue; False once shutdown
+        was asked and nothing is left to do."""
         while True:
             if block:
                 self.cores.leave()  # idle: the other busy threads get this one's cores
             try:
                 if block:
                     req = self._inbox.get(timeout=0.5)
-                elif 0 < self._turn_jobs < self._last_step:
-                    # The job's owner submits its next piece as soon as it has the result.
-                    req = self._inbox.get(timeout=JOB_FOLLOW_SECONDS)
+                elif self.engine.work.has_time() and not self.engine.work:
+                    # The work's owner submits its next piece as soon as it has the result.
+                    req = self._inbox.get(timeout=WORK_FOLLOW_SECONDS)
                 else:
                     req = self._inbox.get_nowait()
             except queue.Empty:
-                return not (self._stop and not self.engine.has_work())
+                return not (self._stop and not self._busy())
             if req is None:
                 self._stop = True
                 block = False
                 continue
-            if isinstance(req, _Job):
-                started = time.perf_counter()
-                self.cores.run(functools.partial(self._run_job, req))
-                self._turn_jobs += time.perf_counter() - started
-                if self.engine.has_work() and self._turn_jobs >= self._last_step:
-                    return True  # the jobs had their time: decoding never waits for a queue
-                block = block and not self.engine.has_work()
+            if isinstance(req, Work):
+                self.engine.work.add(req)
+                block = False
                 continue
             try:
                 seq = req.build(req.id, req.aborted.is_set)
@@ -244,13 +256,13 @@ class EngineThread:
             block = False
 
     @staticmethod
-    def _run_job(job: _Job) -> None:
-        if not job.result.set_running_or_notify_cancel():
+    def _run_work(work: Work) -> None:
+        if not work.result.set_running_or_notify_cancel():
             return
         try:
-            job.result.set_result(job.fn())
+            work.result.set_result(work.fn())
         except BaseException as e:  # handed to the caller
-            job.result.set_exception(e)
+            work.result.set_exception(e)
 
     def _fail_all(self, error: Exception) -> None:
         for req in self._live.values():

@@ -5,6 +5,7 @@ session's policy asks for (`after_append`, `engine.compaction.auto`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -15,6 +16,7 @@ from cdlm_serve.engine.compaction import (
     SpecError,
     compact_row,
 )
+from cdlm_serve.engine.decoding import Priority
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
@@ -114,7 +116,11 @@ async def _run(
     assert cache is not None
     runtime = CompactionRuntime(
         tokenizer=served.tokenizer,
-        on_engine=served.thread.run,
+        # Model work a client waits for goes before an online compaction's, and takes more of
+        # the engine thread's time between two steps.
+        on_engine=functools.partial(
+            served.thread.run, priority=Priority.BACKGROUND if auto else Priority.REQUEST
+        ),
         omp_budget=state.settings.compaction_omp_budget,
         urgent=served.thread.has_requests,
         schedule=served.budget_schedule,

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cdlm_serve.engine import model_work
 from cdlm_serve.engine.decoding import TokenLogprob
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.metrics import Metrics
@@ -53,6 +52,13 @@ class LegacyLogprobs:
         for lp in logprobs:
             self.add(lp.token, lp.logprob, lp.top)
 
+    def add_prompt(self, prompt: list[int], scored: list[TokenLogprob]) -> None:
+        """An echoed prompt's tokens: the first has no logprob (nothing predicts it), the
+        others the engine's (`scored`, computed as the prompt was prefilled)."""
+        self.add(prompt[0], None, None)
+        for lp in scored:
+            self.add(lp.token, lp.logprob, lp.top or None)
+
     def body(self, start: int = 0) -> dict[str, Any]:
         return {
             "tokens": self.tokens[start:],
@@ -75,7 +81,7 @@ async def complete(
         i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
     }
     finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
-    logprobs = {i: await _start_logprobs(served, req, c) for i, c in enumerate(choices)}
+    logprobs = {i: _logprobs(served, req) for i in range(len(choices))}
     try:
         async for i, out in run_choices(served, choices):
             texts[i].append(out.text)
@@ -83,6 +89,8 @@ async def complete(
             finish[i] = out.finish_reason or finish[i]
             lp = logprobs[i]
             if lp is not None:
+                if out.prompt_logprobs is not None:
+                    lp.add_prompt(choices[i].prompt_ids, out.prompt_logprobs)
                 lp.add_outputs(out.logprobs)
     except asyncio.CancelledError:  # the client went away: counted as an abort
         record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
@@ -107,23 +115,10 @@ async def complete(
     }
 
 
-async def _start_logprobs(
-    served: ServedModel, req: CompletionRequest, choice: Choice
-) -> LegacyLogprobs | None:
-    if req.logprobs is None:
-        return None
-    lp = LegacyLogprobs(served.tokenizer)
-    if req.echo:  # the prompt's own logprobs: model work, in pieces on the engine thread
-        scored = await asyncio.to_thread(
-            model_work.prompt_logprobs,
-            served.model,
-            choice.prompt_ids,
-            req.logprobs,
-            served.thread.run,
-        )
-        for p in scored:
-            lp.add(p.token, p.logprob, p.top)
-    return lp
+def _logprobs(served: ServedModel, req: CompletionRequest) -> LegacyLogprobs | None:
+    """A choice's logprobs, if the request asks for them (an echoed prompt's come with the
+    choice's first output: the engine scores the prompt as it prefills it)."""
+    return None if req.logprobs is None else LegacyLogprobs(served.tokenizer)
 
 
 async def _chunks(
@@ -139,17 +134,18 @@ async def _chunks(
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return head.chunk(choice)
 
-    logprobs = {}
-    for i, c in enumerate(choices):
-        logprobs[i] = await _start_logprobs(served, req, c)
-    if req.echo:
-        for i, c in enumerate(choices):
-            lp = logprobs[i]
-            yield chunk(c.index, c.prompt_text, None, None if lp is None else lp.body())
-    sent = {i: len(lp.tokens) if lp else 0 for i, lp in logprobs.items()}
+    logprobs = {i: _logprobs(served, req) for i in range(len(choices))}
+    if req.echo and req.logprobs is None:  # the prompts' text first
+        for c in choices:
+            yield chunk(c.index, c.prompt_text, None)
+    sent = dict.fromkeys(logprobs, 0)
     async for i, out in run_choices(served, choices):
         tally.add(out, i)
         lp = logprobs[i]
+        if lp is not None and out.prompt_logprobs is not None:  # echoed with its logprobs
+            lp.add_prompt(choices[i].prompt_ids, out.prompt_logprobs)
+            yield chunk(choices[i].index, choices[i].prompt_text, None, lp.body())
+            sent[i] = len(lp.tokens)
         if lp is not None:
             lp.add_outputs(out.logprobs)
         if out.text or out.finish_reason or out.token_ids:

@@ -216,7 +216,14 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
             "logprobs": served.is_diffusion and req.logprobs is not None,
         },
     )
-    return plan_choices(served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs)
+    choices = plan_choices(
+        served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs
+    )
+    if req.echo and req.logprobs is not None:  # the echoed prompt's own, as it is prefilled
+        for c in choices:
+            assert isinstance(c.params, SamplingParams)  # logprobs: autoregressive models only
+            c.params.prompt_logprobs = req.logprobs
+    return choices
 
 
 def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
@@ -261,6 +268,18 @@ async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[Engin
         raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
     except ValueError as e:  # the engine refused the request (limits it checks itself)
         raise APIError(400, str(e)) from None
+
+
+async def prefill_session(served: ServedModel, session: Session, ids: list[int]) -> None:
+    """`ids` into the (held) session's cache after what it holds: an AR sequence that only
+    prefills (max_tokens 0), so it goes through the engine's chunked prefill and step budget
+    beside the model's other requests, and writes back like any answer."""
+    params = SamplingParams(max_tokens=0, temperature=0.0)
+    finish = None
+    async for out in run_choice(served, Choice(0, ids, "", params, session)):
+        finish = out.finish_reason or finish
+    if finish != "length":  # the engine dropped it (shutting down): nothing was written
+        raise APIError(503, "the model's engine stopped before the prompt was prefilled")
 
 
 async def run_choices(

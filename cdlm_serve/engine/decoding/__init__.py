@@ -2,7 +2,8 @@
 
 What the server and the served model use is exported here: the two engines (`AREngine`,
 `DLMEngine`) and their contract (`Engine`, `EngineOutput`), the parameters a request sets
-(`SamplingParams`, `DLMParams`), the diffusion decoding modes' registry (`MODES`). Inside:
+(`SamplingParams`, `DLMParams`), the diffusion decoding modes' registry (`MODES`), and
+the queue of model work between the steps (`WorkQueue`, `Work`, `Priority`). Inside:
 `scheduler` (rows, admission, aborts), `model_runner` (one forward for a step's rows),
 `sampling`, `unmasking`, `text_output`, `prefix_cache`, `dlm_sequence`, `dlm_modes/`.
 """
@@ -15,6 +16,7 @@ from cdlm_serve.engine.decoding.interface import Engine, EngineOutput, TokenLogp
 from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.sampling import SamplingParams, eos_token_ids
+from cdlm_serve.engine.decoding.scheduler import Priority, Work, WorkQueue
 from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
 
 __all__ = [
@@ -31,7 +33,10 @@ __all__ = [
     "EngineOutput",
     "ModelRunner",
     "PrefixCache",
+    "Priority",
     "SamplingParams",
     "TokenLogprob",
+    "Work",
+    "WorkQueue",
     "eos_token_ids",
 ]

@@ -4,13 +4,16 @@ Each running sequence owns one row of a shared KV cache (rows, admission, aborts
 `engine.decoding.scheduler`). A step hands the model one token for every decoding sequence and
 chunks of the prompts still being prefilled (`prefill_tokens` per step at most: chunked prefill, so
 a long prompt never stalls the others for more than one chunk), in one call
-(`ModelRunner.extend`, which picks the fused CPU step or the PyTorch path), and samples a
+(`ModelRunner.extend_tokens`, which picks the fused CPU step or the PyTorch path), and samples a
 token for every decoding row and every prompt just completed. A sequence may continue from a
-session's cache (copied into its row when it is admitted) and write its answer back into it.
+session's cache (copied into its row when it is admitted) and write its answer back into it;
+one of `max_tokens` 0 only prefills its prompt (a new session's, through the same chunks and
+step budget as every prompt). A prompt's own logprobs are scored as its chunks run.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +65,8 @@ class ARSequence:
     last_token: int | None = None  # the final sampled token (never run), once finished
     finish_reason: str | None = None
     cached: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
+    # The prompt's logprobs so far (tokens 1.. of the prompt), when its params ask for them.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # set by the scheduler
@@ -125,9 +130,9 @@ class AREngine(ScheduledEngine[ARSequence]):
         append: bool = True,
     ) -> ARSequence:
         history = 0 if session is None else session.logical_length
-        problem = limits.ar_problem(
-            len(prompt), params.max_tokens, history, self.max_model_len, clamp=True
-        )
+        # A prefill (max_tokens 0) asks for no answer, but its prompt must leave room for one.
+        wanted = params.max_tokens or None
+        problem = limits.ar_problem(len(prompt), wanted, history, self.max_model_len, clamp=True)
         if problem is not None:
             raise ValueError(problem.message)
         budget = min(params.max_tokens, self.max_model_len - history - len(prompt))
@@ -189,16 +194,22 @@ class AREngine(ScheduledEngine[ARSequence]):
         if self.running:
             assert self.cache is not None  # every running row has one
             seqs, chunks = self._plan()
-            hidden = self.runner.extend(chunks, self.cache)  # [len(chunks), hidden]
-            logits = self.model.logits(hidden)  # [len(chunks), V]
+            hidden = self.runner.extend_tokens(chunks, self.cache)  # [T, hidden]
+            ends = list(itertools.accumulate(len(tokens) for _, tokens in chunks))
+            logits = self.model.logits(hidden[[end - 1 for end in ends]])  # [len(chunks), V]
             for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
-                if seq.prefilled == len(seq.prompt):  # a decode step
-                    outputs.append(self._accept(seq, logits[i]))
-                    continue
-                seq.prefilled += len(tokens)
-                self._keep_prefix(seq, seq.prompt[: seq.prefilled], len(tokens))
-                if seq.prefilled == len(seq.prompt):  # the prompt is in: its first token
-                    outputs.append(self._accept(seq, logits[i]))
+                if seq.prefilled < len(seq.prompt):
+                    if seq.params.prompt_logprobs is not None:
+                        self._score_prompt(seq, hidden[ends[i] - len(tokens) : ends[i]])
+                    seq.prefilled += len(tokens)
+                    self._keep_prefix(seq, seq.prompt[: seq.prefilled], len(tokens))
+                    if seq.prefilled < len(seq.prompt):
+                        continue
+                    if seq.budget == 0:  # a prefill: the prompt is in, nothing to sample
+                        outputs.append(self._finish(seq, EngineOutput(seq.id, [], "", "length")))
+                        continue
+                # A decode step, or the prompt is in: the next token.
+                outputs.append(self._accept(seq, logits[i]))
         self.scheduler.retire_finished()
         self._shed()
         return outputs
@@ -244,7 +255,11 @@ class AREngine(ScheduledEngine[ARSequence]):
                 assert seq.session is not None and seq.session.cache is not None
                 cache.load_row(seq.row, seq.session.cache)
                 seq.compacted = seq.session.cache.biases is not None
-            elif self.prefix_cache is not None and seq.session is None:
+            elif (
+                self.prefix_cache is not None
+                and seq.session is None
+                and seq.params.prompt_logprobs is None  # every prompt token is scored
+            ):
                 blocks = self.prefix_cache.match(seq.prompt, seq.params.cache_salt)
                 seq.cached = seq.prefilled = self.prefix_cache.load(blocks, cache, seq.row)
             else:
@@ -289,7 +304,18 @@ class AREngine(ScheduledEngine[ARSequence]):
             out = EngineOutput(seq.id, [token], delta.text + seq.text.flush(), "length", lps)
             return self._finish(seq, out)
         seq.next_input = token
-        return EngineOutput(seq.id, [token], delta.text, None, lps)
+        return self._first(seq, EngineOutput(seq.id, [token], delta.text, None, lps))
+
+    def _score_prompt(self, seq: ARSequence, hidden: Tensor) -> None:
+        """The logprobs of the prompt tokens this chunk predicts: row i of `hidden` [C, hidden]
+        (prompt position prefilled + i) predicts the next prompt token, if there is one."""
+        top_k = seq.params.prompt_logprobs
+        assert top_k is not None
+        nxt = seq.prompt[seq.prefilled + 1 : seq.prefilled + 1 + hidden.shape[0]]
+        logits = self.model.logits(hidden[: len(nxt)])  # [<=C, V]
+        seq.prompt_scores += [
+            self._logprob(row, tok, top_k) for row, tok in zip(logits, nxt, strict=True)
+        ]
 
     @staticmethod
     def _logprob(logits: Tensor, token: int, top_k: int) -> TokenLogprob:
@@ -316,6 +342,13 @@ class AREngine(ScheduledEngine[ARSequence]):
     def _finish(self, seq: ARSequence, out: EngineOutput) -> EngineOutput:
         seq.finish_reason = out.finish_reason
         out.cached_tokens = seq.cached
+        return self._first(seq, out)
+
+    @staticmethod
+    def _first(seq: ARSequence, out: EngineOutput) -> EngineOutput:
+        """The sequence's first output carries its prompt's logprobs, if it asked for them."""
+        if seq.params.prompt_logprobs is not None and seq.generated <= 1:
+            out.prompt_logprobs = seq.prompt_scores
         return out
 
     def _release(self, seq: ARSequence) -> None:

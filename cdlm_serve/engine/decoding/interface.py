@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 if TYPE_CHECKING:
     from cdlm_serve.engine.decoding.dlm_sequence import DLMParams
     from cdlm_serve.engine.decoding.sampling import SamplingParams
+    from cdlm_serve.engine.decoding.scheduler import WorkQueue
     from cdlm_serve.engine.sessions import Session
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -48,6 +49,9 @@ class EngineOutput:
     steps: int | None = None
     # Autoregressive engines, on a request's last output: prompt tokens the prefix cache gave.
     cached_tokens: int | None = None
+    # Autoregressive engines, on a request's first output when it asked for prompt logprobs:
+    # one per prompt token after the first (nothing predicts the first).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Engine(Protocol[P, S]):
@@ -55,6 +59,12 @@ class Engine(Protocol[P, S]):
     Engine[SamplingParams, ARSequence], DLMEngine an Engine[DLMParams, DLMSequence]."""
 
     max_model_len: int
+
+    @property
+    def work(self) -> WorkQueue:
+        """Model work that is not a sequence, run between the steps (`engine.decoding.
+        scheduler.WorkQueue` says what runs when)."""
+        ...
 
     def new_sequence(
         self,

@@ -46,8 +46,14 @@ class ModelRunner:
 
     # ---- autoregressive steps ------------------------------------------------------------
     def extend(self, chunks: Chunks, cache: KVCache) -> Tensor:
+        """Append new tokens to rows of `cache` and commit them. Returns the final hidden
+        state of each chunk's last token [len(chunks), hidden] (see `extend_tokens`)."""
+        return self.extend_tokens(chunks, cache)[_last_tokens(chunks)]
+
+    def extend_tokens(self, chunks: Chunks, cache: KVCache) -> Tensor:
         """Append new tokens to rows of `cache` and commit them: the AR engine's one call a
-        step. Returns the final hidden state of each chunk's last token [len(chunks), hidden].
+        step. Returns every new token's final hidden state, chunk after chunk [T, hidden]
+        (a prompt's, for its tokens' logprobs).
 
         One id is a decode step, several are a prompt (causal within itself, after the row's
         committed slots). The fused step takes them all in one call where it applies and the
@@ -59,11 +65,12 @@ class ModelRunner:
         # row's (one token a row), and prompts need the ring grown past the window.
         windowed = bool(self.model.config.local_layers)
         if stack is not None and prompts <= (0 if windowed else FUSED_PREFILL_TOKENS):
-            return self.fused_step(stack, chunks, cache)
+            return self.fused_step_tokens(stack, chunks, cache)
         return torch.cat([self._extend_run(run, cache) for run in _runs(chunks)])
 
     def _extend_run(self, run: list[tuple[int, Sequence[int]]], cache: KVCache) -> Tensor:
-        """PyTorch path of `extend` for chunks on consecutive rows: one padded forward."""
+        """PyTorch path of `extend_tokens` for chunks on consecutive rows: one padded forward;
+        every new token's hidden state [sum of lengths, hidden]."""
         device, width = self.model.device, max(len(tokens) for _, tokens in run)
         ids = torch.zeros(len(run), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(run), width, dtype=torch.bool, device=device)
@@ -75,27 +82,28 @@ class ModelRunner:
         hidden: Tensor = self.model(
             ids, cache=cache, rows=(first, first + len(run)), valid=valid if ragged else None
         )  # [k, W, hidden]
-        last = torch.tensor([len(tokens) - 1 for _, tokens in run], device=device)
-        return hidden[torch.arange(len(run), device=device), last]
+        return hidden[valid] if ragged else hidden.flatten(0, 1)  # row-major: chunk by chunk
 
     def fused_step(self, stack: Any, chunks: Chunks, cache: KVCache) -> Tensor:
-        """`extend` through the fused step: decode rows and prompts share one call, so the
-        weights stream from memory once for all of them."""
+        """`extend` through the fused step: each chunk's last token [len(chunks), hidden]."""
+        return self.fused_step_tokens(stack, chunks, cache)[_last_tokens(chunks)]
+
+    def fused_step_tokens(self, stack: Any, chunks: Chunks, cache: KVCache) -> Tensor:
+        """`extend_tokens` through the fused step: decode rows and prompts share one call, so
+        the weights stream from memory once for all of them [T, hidden]."""
         rows: list[int] = []
         slots: list[int] = []
         ids: list[int] = []
-        last: list[int] = []  # index of each chunk's last token
         for row, tokens in chunks:
             rows += [row] * len(tokens)
             slots += range(cache.lengths[row], cache.lengths[row] + len(tokens))
             ids += tokens
-            last.append(len(ids) - 1)
         hidden = self.fused_tokens(stack, ids, rows, slots, [s + 1 for s in slots], cache)
         counts = [0] * cache.batch
         for row, tokens in chunks:
             counts[row] = len(tokens)
         cache.commit(counts)
-        return hidden[last]
+        return hidden
 
     # ---- any new tokens ------------------------------------------------------------------
     def fits_fused_pass(self, tokens: int) -> Any | None:
@@ -183,6 +191,15 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+
+def _last_tokens(chunks: Chunks) -> list[int]:
+    """Where each chunk's last token is among all the chunks' tokens, in order."""
+    ends, total = [], 0
+    for _, tokens in chunks:
+        total += len(tokens)
+        ends.append(total - 1)
+    return ends
 
 
 def _runs(chunks: Chunks) -> list[list[tuple[int, Sequence[int]]]]:

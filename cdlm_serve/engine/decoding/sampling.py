@@ -37,9 +37,13 @@ class GenerationParams:
 
 @dataclass(slots=True)
 class SamplingParams(GenerationParams):
-    """An autoregressive request."""
+    """An autoregressive request. `max_tokens` 0 is a prefill: the prompt goes into the row
+    (and the session's cache it continues), nothing is sampled."""
 
     logprobs: int | None = None  # report each token's logprob and this many top alternatives
+    # Report each prompt token's logprob (the first has none) and this many top alternatives,
+    # computed as the prompt is prefilled (its prefix is then never taken from the cache).
+    prompt_logprobs: int | None = None
     # Prefix-cache blocks are shared only between requests with the same salt (vLLM's
     # cache_salt: tenants cannot probe each other's prompts through cache timing).
     cache_salt: str | None = None

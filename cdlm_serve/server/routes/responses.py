@@ -18,7 +18,6 @@ every replica as sessions do.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -29,13 +28,19 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from cdlm_serve.engine import model_work
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.engine.sessions import Session, SessionError
 from cdlm_serve.server import planning, response_retention, streaming
 from cdlm_serve.server.compactions import compact, compaction_spec
 from cdlm_serve.server.errors import APIError
-from cdlm_serve.server.planning import Choice, UsageCount, record, run_choices, usage
+from cdlm_serve.server.planning import (
+    Choice,
+    UsageCount,
+    prefill_session,
+    record,
+    run_choices,
+    usage,
+)
 from cdlm_serve.server.response_input import (
     INPUT_ITEMS,
     Turn,
@@ -587,8 +592,5 @@ async def _prefilled(
         raise session_error(e, "input") from None
     made.append(session)
     async with opened(state, session):  # committed by the compaction that follows
-        cache = await asyncio.to_thread(
-            model_work.prefill, served.model, ids, served.thread.run, served.thread.has_requests
-        )
-        session.rewrite(cache, ids)
+        await prefill_session(served, session, ids)
     return session

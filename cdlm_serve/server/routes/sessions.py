@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cdlm_serve.engine import model_work
 from cdlm_serve.engine.compaction import AutoCompact
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.engine.sessions import MirrorError, Session, SessionError
@@ -239,14 +238,7 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
         # Committed, or (never committed) removed whole: as if it had never been.
         async with opened(state, session, write=True):
             if ids:
-                cache = await asyncio.to_thread(
-                    model_work.prefill,
-                    served.model,
-                    ids,
-                    served.thread.run,
-                    served.thread.has_requests,
-                )
-                session.rewrite(cache, ids)
+                await planning.prefill_session(served, session, ids)
         after_append(state, served, session)
         await spill(service)
 
