@@ -209,6 +209,40 @@ def test_context_limit_is_checked(engine):
         engine.new_sequence("x", _prompt(500), DLMParams(max_tokens=20, block_size=8))
 
 
+def test_the_engine_makes_its_own_params_from_a_requests_options(engine):
+    from cdlm_serve.engine import limits
+    from cdlm_serve.engine.decoding import GenerationOptions
+
+    plain = engine.params(GenerationOptions(stop=("x",), seed=1), 20, 7)
+    assert plain == DLMParams(
+        max_tokens=20,
+        temperature=0.0,  # greedy unless the request sets a temperature
+        seed=7,
+        stop=["x"],
+        decoding="cdlm",
+        block_size=engine.block_size,
+        threshold=engine.threshold,
+    )
+    reference = engine.params(GenerationOptions(steps=4, alg="entropy", temperature=0.5), 20, 7)
+    assert (reference.decoding, reference.confidence, reference.temperature) == (
+        "vanilla",  # the reference releases' options mean their decoder
+        "entropy",
+        0.5,
+    )
+    assert engine.params(GenerationOptions(remasking="random"), 20, None).confidence == "random"
+    with pytest.raises(limits.LimitError) as e:
+        engine.params(GenerationOptions(alg="entropy", remasking="random"), 20, None)
+    assert e.value.problem.param == "alg" and "alternatives" in str(e.value)
+    with pytest.raises(limits.LimitError) as e:
+        engine.params(GenerationOptions(alg="fastest"), 20, None)
+    assert e.value.problem.param == "alg"
+    blocks = engine.params(GenerationOptions(block_size=16), 20, None)  # 32 tokens decoded
+    assert engine.problem(480, blocks) is None
+    rounded = engine.problem(481, blocks)
+    assert rounded is not None and "rounded up to whole blocks" in rounded.message
+    assert engine.prefix_cache is None  # no prefix caching on a diffusion engine
+
+
 @pytest.mark.parametrize("decoding", ["cdlm", "fast_dllm", "vanilla"])
 def test_a_model_that_predicts_the_mask_token_still_finishes(tmp_path, decoding):
     tiny_models.llada_tiny(tmp_path)

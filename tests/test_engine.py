@@ -372,3 +372,25 @@ def test_aborting_rows_that_are_not_the_last_leaves_the_others_answers_whole(set
         got = outs[f"r{i}"]
         assert [o.finish_reason for o in got][-1] == "length"
         assert [t for o in got for t in o.token_ids] == alone[i]
+
+
+def test_the_engine_makes_its_own_params_from_a_requests_options(setup):
+    from cdlm_serve.engine.decoding import GenerationOptions
+
+    _, engine, _ = setup
+    options = GenerationOptions(
+        stop=("x",), logprobs=2, cache_salt="s", ignore_eos=True, block_size=4, steps=2
+    )
+    params = engine.params(options, 9, 3)
+    assert params == SamplingParams(
+        max_tokens=9,
+        temperature=1.0,  # OpenAI's default where the request sets none
+        seed=3,
+        stop=["x"],
+        ignore_eos=True,
+        logprobs=2,
+        cache_salt="s",
+    )
+    assert engine.params(GenerationOptions(temperature=0.0), 9, None).greedy
+    assert engine.problem(500, params) is None  # an answer past the context is cut to it
+    assert engine.problem(500, params, history=12).code == "context_length_exceeded"

@@ -28,6 +28,14 @@ class LimitProblem:
     code: str | None = None
 
 
+class LimitError(ValueError):
+    """A request an engine refuses, with the parameter at fault (the server's 400 names it)."""
+
+    def __init__(self, problem: LimitProblem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+
 def context_problem(limit: int, prompt: int, wanted: int, note: str = "") -> LimitProblem:
     """OpenAI's words for a request longer than the context."""
     return LimitProblem(

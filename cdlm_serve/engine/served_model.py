@@ -19,6 +19,7 @@ from cdlm_serve.engine.decoding import (
     ARSequence,
     DLMEngine,
     DLMSequence,
+    Engine,
     PrefixCache,
     eos_token_ids,
 )
@@ -58,7 +59,8 @@ class ServedModel:
     tokenizer: Any
     config: ModelConfig
     max_model_len: int
-    engine: AREngine | DLMEngine
+    # Either kind, used through the contract alone (`Engine`: its params, its limits).
+    engine: Engine[Any, Any]
     thread: EngineThread  # the engine runs on it; model work goes through it too
     created: int
     max_token_chars: int = 1  # the longest token's text: a longer prompt cannot fit the context
@@ -184,25 +186,27 @@ def load_served_model(
     limit = min(
         max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings
     )
-    engine: AREngine | DLMEngine
+    engine: Engine[Any, Any]
     on_step = None
     if ckpt.config.is_diffusion:
-        engine = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
+        dlm = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
         if metrics is not None:
             telemetry = metrics  # bound for the lambdas (mypy narrows no closure)
-            engine.scheduler.on_finish = lambda seq: telemetry.observe_dlm_sequence(
+            dlm.scheduler.on_finish = lambda seq: telemetry.observe_dlm_sequence(
                 name, seq.params.decoding, seq, time.perf_counter() - seq.started
             )
             on_step = lambda seconds: telemetry.observe_dlm_step(name, seconds)  # noqa: E731
+        engine = dlm
     else:
         # Chunked prefill: a chunk is one step's stall for the running requests. On a CPU a
         # chunk small enough for the fused step keeps that to a few hundred ms (SmolLM2).
         chunk = prefill_tokens or (512 if device.type == "cuda" else FUSED_PREFILL_TOKENS)
         prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        engine = AREngine(model, tokenizer, limit, max_batch, chunk, prefix)
+        ar = AREngine(model, tokenizer, limit, max_batch, chunk, prefix)
         if metrics is not None:
             telemetry = metrics
-            engine.scheduler.on_finish = lambda seq: telemetry.observe_ar_sequence(name, seq)
+            ar.scheduler.on_finish = lambda seq: telemetry.observe_ar_sequence(name, seq)
+        engine = ar
     thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=share)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",

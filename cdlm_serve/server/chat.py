@@ -16,6 +16,7 @@ from cdlm_serve.server.planning import (
     Choice,
     UsageCount,
     encode,
+    generation_options,
     new_id,
     plan_choices,
     record,
@@ -47,9 +48,11 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
 
 
 def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    options = generation_options(req, req.max_completion_tokens or req.max_tokens, top)
     reject_unsupported(
         served,
-        req,
+        options,
         {
             "tools": bool(req.tools),
             "response_format": req.response_format is not None
@@ -61,9 +64,7 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
     )
     text = render_prompt(served, req)
     ids = encode(served, text, "messages")
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    return plan_choices(served, req, [(ids, text)], max_tokens, top)
+    return plan_choices(served, options, [(ids, text)])
 
 
 def _logprob_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:

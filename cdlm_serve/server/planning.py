@@ -1,7 +1,9 @@
-"""What a request becomes for the engine, shared by completions and chat: one `Choice` per
-(prompt, sample), planned with every limit checked up front (`plan_choices`), all submitted
-at once so the engine batches them (`run_choices`), and counted for usage and metrics
-(`UsageCount`, `usage`, `record`)."""
+"""What a request becomes for the engine, shared by completions and chat: its body read once
+into the engines' neutral `GenerationOptions` (`generation_options`), one `Choice` per
+(prompt, sample) planned with every limit checked up front (`plan_choices`; each engine makes
+its own parameters and says what it cannot take, through the `Engine` contract alone), all
+submitted at once so the engine batches them (`run_choices`), and counted for usage and
+metrics (`UsageCount`, `usage`, `record`)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cdlm_serve.engine import limits
 from cdlm_serve.engine.decoding import (
-    DREAM_ALGS,
-    LLADA_REMASKING,
-    ARSequence,
-    DLMEngine,
-    DLMParams,
-    DLMSequence,
+    DIFFUSION_OPTIONS,
     EngineOutput,
-    SamplingParams,
+    GenerationOptions,
+    GenerationParams,
 )
 from cdlm_serve.engine.engine_thread import QueueFull
 from cdlm_serve.engine.served_model import ServedModel
@@ -29,7 +27,7 @@ from cdlm_serve.engine.sessions import Session
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.request_limits import MAX_CHOICES
-from cdlm_serve.server.schemas import DLM_OPTIONS, CompletionRequest, GenerationRequest
+from cdlm_serve.server.schemas import CompletionRequest, GenerationRequest
 
 
 @dataclass(slots=True)
@@ -39,7 +37,7 @@ class Choice:
     index: int
     prompt_ids: list[int]
     prompt_text: str
-    params: SamplingParams | DLMParams
+    params: GenerationParams  # the engine's own kind (`Engine.params`)
     session: Session | None = None  # continue from this session's cache
     append: bool = True
 
@@ -62,21 +60,57 @@ class UsageCount:
             self.steps += out.steps or 0
 
 
-# ---- planning --------------------------------------------------------------------------------
+# ---- the request, read once where it enters --------------------------------------------------
+def generation_options(
+    req: GenerationRequest, max_tokens: int | None, logprobs: int | None
+) -> GenerationOptions:
+    """What a completions or chat body asks of decoding, in the engines' terms; the body's own
+    `max_tokens` and `logprobs` (each route spells them its own way)."""
+    # Unset: the engine's default (a diffusion model decodes greedily); null: OpenAI's, 1.
+    temperature = None
+    if "temperature" in req.model_fields_set:
+        temperature = 1.0 if req.temperature is None else req.temperature
+    return GenerationOptions(
+        temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        stop=tuple(req.stop or ()),
+        seed=req.seed,
+        n=req.n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        ignore_eos=req.ignore_eos,
+        cache_salt=req.cache_salt,
+        decoding=req.decoding,
+        block_size=req.block_size,
+        threshold=req.threshold,
+        steps=req.steps,
+        alg=req.alg,
+        alg_temp=req.alg_temp,
+        remasking=req.remasking,
+    )
+
+
 def reject_unsupported(
-    served: ServedModel, req: GenerationRequest, unsupported: dict[str, bool]
+    served: ServedModel, options: GenerationOptions, unsupported: dict[str, bool]
 ) -> None:
     if served.is_diffusion:
         if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
             unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
     else:
-        unsupported |= dict.fromkeys(req.dlm_options_set(), True)
+        unsupported |= dict.fromkeys(options.diffusion_options(), True)
     for param, used in unsupported.items():
         if used:
-            reason = "only for diffusion models" if param in DLM_OPTIONS else "by this server yet"
+            reason = (
+                "only for diffusion models" if param in DIFFUSION_OPTIONS else "by this server yet"
+            )
             if param == "logprobs" and served.is_diffusion:
                 reason = "for diffusion models"
             raise APIError(400, f"{param} is not supported {reason}", param=param)
+
+
+def limit_error(problem: limits.LimitProblem) -> APIError:
+    """A request's problem with a limit (engine/limits.py) as the API's 400."""
+    return APIError(400, problem.message, param=problem.param, code=problem.code)
 
 
 def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
@@ -118,96 +152,13 @@ def prompt_ids(served: ServedModel, prompt: Any, start: bool = True) -> list[tup
     return out
 
 
-def _refuse(problem: limits.LimitProblem | None) -> None:
-    if problem is not None:
-        raise APIError(400, problem.message, param=problem.param, code=problem.code)
-
-
-def _params(
-    served: ServedModel,
-    req: GenerationRequest,
-    max_tokens: int,
-    seed: int | None,
-    logprobs: int | None,
-) -> SamplingParams | DLMParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    stop = list(req.stop or [])
-    if not served.is_diffusion:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-            ignore_eos=req.ignore_eos,
-            cache_salt=req.cache_salt,
-        )
-    engine = served.engine
-    assert isinstance(engine, DLMEngine)  # a diffusion model's
-    if req.alg is not None and req.remasking is not None:
-        raise APIError(400, "alg (Dream's) and remasking (LLaDA's) are alternatives", param="alg")
-    confidence = (
-        DREAM_ALGS[req.alg]
-        if req.alg is not None
-        else LLADA_REMASKING[req.remasking or "low_confidence"]
-    )
-    # The references' options mean their decoder: vanilla unless the request says otherwise.
-    reference = req.steps is not None or req.alg is not None or req.remasking is not None
-    return DLMParams(
-        max_tokens=max_tokens,
-        decoding=req.decoding or ("vanilla" if reference else "cdlm"),
-        block_size=req.block_size or engine.block_size,
-        threshold=engine.threshold if req.threshold is None else req.threshold,
-        # Diffusion decoding is greedy unless the request sets a temperature itself.
-        temperature=temperature if "temperature" in req.model_fields_set else 0.0,
-        top_p=top_p,
-        seed=seed,
-        stop=stop,
-        ignore_eos=req.ignore_eos,
-        steps=req.steps,
-        confidence=confidence,
-        alg_temp=req.alg_temp or 0.0,
-    )
-
-
-def plan_choices(
-    served: ServedModel,
-    req: GenerationRequest,
-    prompts: list[tuple[list[int], str]],
-    max_tokens: int | None,
-    logprobs: int | None,
-) -> list[Choice]:
-    limit = served.max_model_len
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(
-            400,
-            f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices per request",
-            param="n",
-        )
-    choices = []
-    for i, (ids, text) in enumerate(prompts):
-        _refuse(limits.ar_problem(len(ids), max_tokens, 0, limit))
-        wanted = max_tokens if max_tokens is not None else limit - len(ids)
-        for j in range(req.n):
-            seed = None if req.seed is None else req.seed + j
-            params = _params(served, req, wanted, seed, logprobs)
-            if isinstance(params, DLMParams):
-                # The engine decodes whole blocks: the rounded-up answer must fit too.
-                _refuse(
-                    limits.dlm_problem(
-                        len(ids), wanted, params.block_size, params.steps, served.max_model_len
-                    )
-                )
-            choices.append(Choice(i * req.n + j, ids, text, params))
-    return choices
-
-
 def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]:
+    options = generation_options(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's own, as it is prefilled
+        options = replace(options, prompt_logprobs=req.logprobs)
     reject_unsupported(
         served,
-        req,
+        options,
         {
             "suffix": req.suffix is not None,
             "best_of": req.best_of is not None and req.best_of != req.n,
@@ -216,49 +167,96 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
             "logprobs": served.is_diffusion and req.logprobs is not None,
         },
     )
-    choices = plan_choices(
-        served, req, prompt_ids(served, req.prompt), req.max_tokens, req.logprobs
-    )
-    if req.echo and req.logprobs is not None:  # the echoed prompt's own, as it is prefilled
-        for c in choices:
-            assert isinstance(c.params, SamplingParams)  # logprobs: autoregressive models only
-            c.params.prompt_logprobs = req.logprobs
-    return choices
+    return plan_choices(served, options, prompt_ids(served, req.prompt))
 
 
 def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
     """One choice continuing from a session: the session's next input token (sampled last time,
     never run through the model) comes first."""
+    options = generation_options(req, req.max_tokens, req.logprobs)
     reject_unsupported(
         served,
-        req,
+        options,
         {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
     )
     # A continuation: no BOS, unless the session is empty (its first text starts it).
     ((ids, text),) = prompt_ids(served, req.prompt, start=not session.logical_length)
     if session.next_input is not None:
         ids = [session.next_input, *ids]
+    return [session_choice(served, options, ids, text, session, req.append)]
+
+
+# ---- planning: the neutral request, any engine --------------------------------------------------
+def _refuse(problem: limits.LimitProblem | None) -> None:
+    if problem is not None:
+        raise limit_error(problem)
+
+
+def _params(
+    served: ServedModel,
+    options: GenerationOptions,
+    ids: list[int],
+    wanted: int,
+    seed: int | None,
+    history: int = 0,
+) -> GenerationParams:
+    """The engine's parameters for one choice, refused (400) where the engine could not
+    decode them (a diffusion engine's whole blocks, its steps)."""
+    engine = served.engine
+    try:
+        params: GenerationParams = engine.params(options, wanted, seed)
+    except limits.LimitError as e:  # options that cannot go together
+        raise limit_error(e.problem) from None
+    _refuse(engine.problem(len(ids), params, history))
+    return params
+
+
+def plan_choices(
+    served: ServedModel, options: GenerationOptions, prompts: list[tuple[list[int], str]]
+) -> list[Choice]:
+    limit, n = served.max_model_len, options.n
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices per request",
+            param="n",
+        )
+    choices = []
+    for i, (ids, text) in enumerate(prompts):
+        _refuse(limits.ar_problem(len(ids), options.max_tokens, 0, limit))
+        wanted = options.max_tokens if options.max_tokens is not None else limit - len(ids)
+        for j in range(n):
+            seed = None if options.seed is None else options.seed + j
+            params = _params(served, options, ids, wanted, seed)
+            choices.append(Choice(i * n + j, ids, text, params))
+    return choices
+
+
+def session_choice(
+    served: ServedModel,
+    options: GenerationOptions,
+    ids: list[int],
+    text: str,
+    session: Session,
+    append: bool,
+) -> Choice:
+    """The one choice of a session's continuation: `ids` after the session's tokens."""
     history = session.logical_length
-    _refuse(limits.ar_problem(len(ids), req.max_tokens, history, served.max_model_len))
+    _refuse(limits.ar_problem(len(ids), options.max_tokens, history, served.max_model_len))
     room = served.max_model_len - history - len(ids)
-    wanted = req.max_tokens if req.max_tokens is not None else room
-    params = _params(served, req, wanted, req.seed, None)
-    return [Choice(0, ids, text, params, session, req.append)]
+    wanted = options.max_tokens if options.max_tokens is not None else room
+    params = _params(served, options, ids, wanted, options.seed, history)
+    return Choice(0, ids, text, params, session, append)
 
 
 # ---- running ---------------------------------------------------------------------------------
 async def run_choice(served: ServedModel, choice: Choice) -> AsyncIterator[EngineOutput]:
     """The engine outputs of one choice, in order; the last carries the finish reason."""
 
-    def build(request_id: str, aborted: Callable[[], bool]) -> ARSequence | DLMSequence:
-        # `_params` gave the choice parameters of the model's own kind.
-        engine, params = served.engine, choice.params
-        if isinstance(engine, DLMEngine):
-            assert isinstance(params, DLMParams)
-            return engine.new_sequence(request_id, choice.prompt_ids, params, aborted)
-        assert isinstance(params, SamplingParams)
-        return engine.new_sequence(
-            request_id, choice.prompt_ids, params, aborted, choice.session, choice.append
+    def build(request_id: str, aborted: Callable[[], bool]) -> Any:
+        # The engine made the choice's parameters (`_params`): they are its own kind.
+        return served.engine.new_sequence(
+            request_id, choice.prompt_ids, choice.params, aborted, choice.session, choice.append
         )
 
     try:
@@ -274,7 +272,7 @@ async def prefill_session(served: ServedModel, session: Session, ids: list[int])
     """`ids` into the (held) session's cache after what it holds: an AR sequence that only
     prefills (max_tokens 0), so it goes through the engine's chunked prefill and step budget
     beside the model's other requests, and writes back like any answer."""
-    params = SamplingParams(max_tokens=0, temperature=0.0)
+    params = served.engine.params(GenerationOptions(temperature=0.0), 0, None)
     finish = None
     async for out in run_choice(served, Choice(0, ids, "", params, session)):
         finish = out.finish_reason or finish

@@ -14,7 +14,6 @@ import torch
 from fastapi import Depends, Request
 
 from cdlm_serve.engine.core_share import CoreShare
-from cdlm_serve.engine.decoding import AREngine
 from cdlm_serve.engine.heap import HeapTrimmer
 from cdlm_serve.engine.served_model import ServedModel, load_served_model
 from cdlm_serve.engine.sessions import SessionService, SessionStore
@@ -154,8 +153,8 @@ class ServerState:
         prefix cache, read at scrape time."""
         out = {}
         for name, served in self.models.items():
-            if isinstance(served.engine, AREngine) and served.engine.prefix_cache is not None:
-                pc = served.engine.prefix_cache
+            pc = served.engine.prefix_cache
+            if pc is not None:
                 out[name] = (pc.queries, pc.hits, pc.nbytes)
         return out
 

@@ -1,9 +1,10 @@
 """Decoding: the engines that turn prompts into tokens, one step at a time.
 
 What the server and the served model use is exported here: the two engines (`AREngine`,
-`DLMEngine`) and their contract (`Engine`, `EngineOutput`), the parameters a request sets
-(`SamplingParams`, `DLMParams`), the diffusion decoding modes' registry (`MODES`), and
-the queue of model work between the steps (`WorkQueue`, `Work`, `Priority`). Inside:
+`DLMEngine`) and their contract (`Engine`, `EngineOutput`), what a request asks of them
+(`GenerationOptions`, from which each engine makes its own parameters: `SamplingParams`,
+`DLMParams`), the diffusion decoding modes' registry (`MODES`), and the queue of model work
+between the steps (`WorkQueue`, `Work`, `Priority`). Inside: `request`,
 `scheduler` (rows, admission, aborts), `model_runner` (one forward for a step's rows),
 `sampling`, `unmasking`, `text_output`, `prefix_cache`, `dlm_sequence`, `dlm_modes/`.
 """
@@ -15,11 +16,13 @@ from cdlm_serve.engine.decoding.dlm_sequence import DLMParams, DLMSequence
 from cdlm_serve.engine.decoding.interface import Engine, EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
-from cdlm_serve.engine.decoding.sampling import SamplingParams, eos_token_ids
+from cdlm_serve.engine.decoding.request import DIFFUSION_OPTIONS, GenerationOptions
+from cdlm_serve.engine.decoding.sampling import GenerationParams, SamplingParams, eos_token_ids
 from cdlm_serve.engine.decoding.scheduler import Priority, Work, WorkQueue
 from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
 
 __all__ = [
+    "DIFFUSION_OPTIONS",
     "DREAM_ALGS",
     "FUSED_PREFILL_TOKENS",
     "LLADA_REMASKING",
@@ -31,6 +34,8 @@ __all__ = [
     "DLMSequence",
     "Engine",
     "EngineOutput",
+    "GenerationOptions",
+    "GenerationParams",
     "ModelRunner",
     "PrefixCache",
     "Priority",

@@ -26,6 +26,7 @@ from cdlm_serve.engine import heap, limits
 from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+from cdlm_serve.engine.decoding.request import GenerationOptions
 from cdlm_serve.engine.decoding.sampling import (
     SamplingParams,
     eos_token_ids,
@@ -120,6 +121,32 @@ class AREngine(ScheduledEngine[ARSequence]):
         self.runner.stack()
 
     # ---- requests --------------------------------------------------------------------------
+    def params(
+        self, options: GenerationOptions, max_tokens: int, seed: int | None
+    ) -> SamplingParams:
+        """A request's sampling parameters: OpenAI's defaults (temperature 1) where it sets
+        none. The diffusion options are not this engine's (the server refuses them first)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_p=options.top_p,
+            seed=seed,
+            stop=list(options.stop),
+            logprobs=options.logprobs,
+            prompt_logprobs=options.prompt_logprobs,
+            ignore_eos=options.ignore_eos,
+            cache_salt=options.cache_salt,
+        )
+
+    def problem(
+        self, prompt: int, params: SamplingParams, history: int = 0
+    ) -> limits.LimitProblem | None:
+        """The context must hold the prompt after the session's `history` and one answer
+        token (a prefill's too, of max_tokens 0: it asks for none, but must leave room for
+        one); a longer answer is cut to the context (`clamp`)."""
+        wanted = params.max_tokens or None
+        return limits.ar_problem(prompt, wanted, history, self.max_model_len, clamp=True)
+
     def new_sequence(
         self,
         request_id: str,
@@ -130,9 +157,7 @@ class AREngine(ScheduledEngine[ARSequence]):
         append: bool = True,
     ) -> ARSequence:
         history = 0 if session is None else session.logical_length
-        # A prefill (max_tokens 0) asks for no answer, but its prompt must leave room for one.
-        wanted = params.max_tokens or None
-        problem = limits.ar_problem(len(prompt), wanted, history, self.max_model_len, clamp=True)
+        problem = self.problem(len(prompt), params, history)
         if problem is not None:
             raise ValueError(problem.message)
         budget = min(params.max_tokens, self.max_model_len - history - len(prompt))

@@ -32,6 +32,8 @@ from cdlm_serve.engine.decoding.dlm_modes import MODES, DecodeContext
 from cdlm_serve.engine.decoding.dlm_sequence import BlockPass, DLMParams, DLMSequence
 from cdlm_serve.engine.decoding.interface import EngineOutput, FinishReason
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+from cdlm_serve.engine.decoding.request import GenerationOptions
 from cdlm_serve.engine.decoding.sampling import (
     _top_p_filter,
     eos_token_ids,
@@ -40,7 +42,16 @@ from cdlm_serve.engine.decoding.sampling import (
 )
 from cdlm_serve.engine.decoding.scheduler import ScheduledEngine, Scheduler
 from cdlm_serve.engine.decoding.text_output import TextAssembler
-from cdlm_serve.engine.decoding.unmasking import Schedule, confidence, origin, pick, quota
+from cdlm_serve.engine.decoding.unmasking import (
+    DREAM_ALGS,
+    LLADA_REMASKING,
+    Confidence,
+    Schedule,
+    confidence,
+    origin,
+    pick,
+    quota,
+)
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.transformer import Transformer
 
@@ -76,6 +87,8 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
             else (cfg.dlm_threshold if cfg.dlm_threshold is not None else 0.9)
         )
         self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, tokenizer)
+        # No prefix caching: a mode's prompt KV lives in its own batch cache, row by row.
+        self.prefix_cache: PrefixCache | None = None
         # One batch (scheduler group) per decoding mode, each with its own KV cache.
         self.scheduler: Scheduler[DLMSequence] = Scheduler(
             max_batch,
@@ -99,6 +112,41 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         )
 
     # ---- requests ----------------------------------------------------------------------------
+    def params(self, options: GenerationOptions, max_tokens: int, seed: int | None) -> DLMParams:
+        """A request's diffusion parameters, this engine's block size and threshold where it
+        sets none. Greedy unless the request sets a temperature itself; the reference
+        releases' options (`steps`, `alg`, `remasking`) mean their decoder, vanilla, unless
+        the request names another. LimitError for `alg` with `remasking` (alternatives)."""
+        if options.alg is not None and options.remasking is not None:
+            raise limits.LimitError(
+                limits.LimitProblem("alg (Dream's) and remasking (LLaDA's) are alternatives", "alg")
+            )
+        reference = options.steps is not None or options.alg is not None
+        reference = reference or options.remasking is not None
+        return DLMParams(
+            max_tokens=max_tokens,
+            decoding=options.decoding or ("vanilla" if reference else "cdlm"),
+            block_size=options.block_size or self.block_size,
+            threshold=self.threshold if options.threshold is None else options.threshold,
+            temperature=0.0 if options.temperature is None else options.temperature,
+            top_p=options.top_p,
+            seed=seed,
+            stop=list(options.stop),
+            ignore_eos=options.ignore_eos,
+            steps=options.steps,
+            confidence=_confidence(options),
+            alg_temp=options.alg_temp or 0.0,
+        )
+
+    def problem(
+        self, prompt: int, params: DLMParams, history: int = 0
+    ) -> limits.LimitProblem | None:
+        """The prompt and the answer rounded up to whole blocks must fit the context, and a
+        fixed number of steps must divide over the blocks. (No session: no `history`.)"""
+        return limits.dlm_problem(
+            prompt, params.max_tokens, params.block_size, params.steps, self.max_model_len
+        )
+
     def new_sequence(
         self,
         request_id: str,
@@ -113,9 +161,7 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         mode = MODES.get(params.decoding)
         if mode is None:
             raise ValueError(f"decoding must be one of {sorted(MODES)}, not {params.decoding!r}")
-        problem = limits.dlm_problem(
-            len(prompt), params.max_tokens, params.block_size, params.steps, self.max_model_len
-        )
+        problem = self.problem(len(prompt), params)
         if problem is not None:
             raise ValueError(problem.message)
         gen_len = limits.dlm_answer_length(params.max_tokens, params.block_size)
@@ -336,3 +382,16 @@ def _draws(params: DLMParams) -> bool:
     """Whether decoding draws random numbers (and so needs the request's generator)."""
     drawn = params.confidence in ("random", "origin")
     return params.temperature > 0 or drawn or params.alg_temp > 0
+
+
+def _confidence(options: GenerationOptions) -> Confidence:
+    """How sure a step is of each masked position, in Dream's words (`alg`) or LLaDA's
+    (`remasking`, low_confidence by default); LimitError for a name neither knows."""
+    names, name, param = DREAM_ALGS, options.alg, "alg"
+    if name is None:
+        names, name, param = LLADA_REMASKING, options.remasking or "low_confidence", "remasking"
+    if name not in names:
+        raise limits.LimitError(
+            limits.LimitProblem(f"{param} must be one of {', '.join(names)}, not {name!r}", param)
+        )
+    return names[name]

@@ -5,6 +5,9 @@ An engine decodes many requests together. Its whole life runs on one thread (`En
 which calls, in a loop: `add` for each new sequence (built by `new_sequence`), then `step`.
 A step advances every running sequence by one forward pass and returns an `EngineOutput` for
 each sequence that has something new; a sequence's last output carries its `finish_reason`.
+What a request asks comes as the neutral `GenerationOptions`: the engine makes its own
+parameters of them (`params`) and says what it cannot take (`problem`), so its users plan a
+request without knowing which kind of engine decodes it.
 Nothing else touches an engine, so none of this is thread-safe, and none of it needs to be
 (the counters below are read from other threads as snapshots, for admission and metrics).
 """
@@ -17,13 +20,17 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from cdlm_serve.engine.decoding.dlm_sequence import DLMParams
+    from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
+    from cdlm_serve.engine.decoding.request import GenerationOptions
     from cdlm_serve.engine.decoding.sampling import SamplingParams
     from cdlm_serve.engine.decoding.scheduler import WorkQueue
+    from cdlm_serve.engine.limits import LimitProblem
     from cdlm_serve.engine.sessions import Session
 
 FinishReason = Literal["stop", "length", "abort"]
-# An engine's request parameters: SamplingParams (autoregressive), DLMParams (diffusion).
-P = TypeVar("P", bound="SamplingParams | DLMParams", contravariant=True)
+# An engine's request parameters: SamplingParams (autoregressive), DLMParams (diffusion); the
+# engine makes them (`params`) and takes them (`new_sequence`), so P is invariant.
+P = TypeVar("P", bound="SamplingParams | DLMParams")
 # An engine's sequence: ARSequence, DLMSequence (what `new_sequence` makes and `add` takes).
 S = TypeVar("S")
 
@@ -59,6 +66,19 @@ class Engine(Protocol[P, S]):
     Engine[SamplingParams, ARSequence], DLMEngine an Engine[DLMParams, DLMSequence]."""
 
     max_model_len: int
+    # Automatic prefix caching, where the engine has it (None: off, or not this kind of engine).
+    prefix_cache: PrefixCache | None
+
+    def params(self, options: GenerationOptions, max_tokens: int, seed: int | None) -> P:
+        """This engine's parameters for a request's options, with the engine's defaults where
+        the request asks for none: an answer of at most `max_tokens`, drawn with `seed`.
+        LimitError for options that cannot go together."""
+        ...
+
+    def problem(self, prompt: int, params: P, history: int = 0) -> LimitProblem | None:
+        """Why a prompt of `prompt` tokens, after `history` tokens of a session's, cannot be
+        decoded with `params` (`new_sequence` refuses it), or None."""
+        ...
 
     @property
     def work(self) -> WorkQueue:
