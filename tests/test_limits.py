@@ -42,3 +42,43 @@ def test_the_ar_engine_clamps_an_answer_to_the_context(tiny_llama_dir):
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     outs = list(engine.generate(list(range(3, 19)), params))  # 16 prompt tokens
     assert sum(len(o.token_ids) for o in outs) == 8 and outs[-1].finish_reason == "length"
+
+
+class _Model:
+    """What `limits.prompt_ids` reads of a served model: one token per character, a BOS that
+    starts a sequence, a 10-character text too long to tokenize."""
+
+    max_model_len = 8
+    vocab_size = 300
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > 10:
+            raise ValueError(f"a prompt of {len(text)} characters cannot fit")
+        return [ord(c) for c in text]
+
+    def sequence_start(self, ids: list[int]) -> list[int]:
+        return [1, *ids]
+
+
+def test_a_prompt_becomes_checked_token_ids_in_one_place():
+    model = _Model()
+    assert limits.prompt_ids(model, "ab") == [1, 97, 98]  # a text starting a sequence
+    assert limits.prompt_ids(model, "ab", start=False) == [97, 98]
+    assert limits.prompt_ids(model, [5, 299]) == [5, 299]  # token ids, as they are
+    long = limits.prompt_ids(model, "x" * 11, "messages")
+    assert long == limits.LimitProblem(
+        "a prompt of 11 characters cannot fit", "messages", "context_length_exceeded"
+    )
+    outside = limits.prompt_ids(model, [5, 300, -1])
+    assert outside == limits.LimitProblem(
+        "token id 300 is outside the vocabulary [0, 300)", "prompt"
+    )
+    # Stored whole (a session's prompt, a conversation to compact): it must leave a slot.
+    assert limits.prompt_ids(model, list(range(7)), stored="prompt") == list(range(7))
+    full = limits.prompt_ids(model, "abcdefg", "input", stored="the conversation")
+    assert full == limits.LimitProblem(
+        "the conversation of 8 tokens does not fit the model's context (8)",
+        "input",
+        "context_length_exceeded",
+    )
+    assert limits.prompt_ids(model, "abcdefg") == [1, *map(ord, "abcdefg")]  # an answer checks it

@@ -170,6 +170,9 @@ def test_openai_client_creates_compacts_and_continues_a_session(base):
         ("/v1/sessions", {"model": "tiny", "id": "s2"}, 409, "id"),
         ("/v1/sessions", {"model": "tiny", "id": "bad id!"}, 400, "id"),
         ("/v1/sessions", {"model": "ghost"}, 404, "model"),
+        # A prompt is checked where every route's is (engine/limits.py `prompt_ids`).
+        ("/v1/sessions", {"model": "tiny", "prompt": [5, 999_999]}, 400, "prompt"),
+        ("/v1/sessions", {"model": "tiny", "prompt": [5] * 512}, 400, "prompt"),
     ],
 )
 def test_session_errors(base, path, body, status, param):

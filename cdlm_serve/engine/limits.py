@@ -1,11 +1,13 @@
 """The limits a request must fit, checked in one place: the server plans a request with them
 (to answer 400 with the right parameter before anything is queued) and each engine checks
-them again in `new_sequence` (its callers are not only the server: benches, training)."""
+them again in `new_sequence` (its callers are not only the server: benches, training). A
+prompt becomes checked token ids here too (`prompt_ids`), for every route that takes one."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def steps_problem(steps: int, block_size: int, answer: int) -> str | None:
@@ -92,3 +94,55 @@ def dlm_problem(
         if problem is not None:
             return LimitProblem(problem, "steps")
     return None
+
+
+class Tokenizing(Protocol):
+    """What checking a prompt reads of a served model (`engine.served_model.ServedModel`)."""
+
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text; ValueError for one too long to tokenize for this context."""
+        ...
+
+    def sequence_start(self, ids: list[int]) -> list[int]:
+        """`ids` as the start of a sequence (the tokenizer's BOS first, where it adds one)."""
+        ...
+
+
+def prompt_ids(
+    model: Tokenizing,
+    prompt: str | list[int],
+    param: str = "prompt",
+    start: bool = True,
+    stored: str | None = None,
+) -> list[int] | LimitProblem:
+    """A prompt (a text, or token ids taken as they are) as token ids, or why it cannot be one,
+    naming `param`. A text that `start`s a sequence gets the tokenizer's BOS where it adds one.
+    A prompt `stored` whole in a session's cache, with no answer planned after it to check it
+    (a session's first prompt, a conversation to compact), must leave the context a slot: its
+    problem names it by `stored` ("prompt")."""
+    if isinstance(prompt, str):
+        try:
+            ids = model.encode(prompt)
+        except ValueError as e:  # too long to tokenize at all (`ServedModel.encode`)
+            return LimitProblem(str(e), param, "context_length_exceeded")
+        ids = model.sequence_start(ids) if start else ids
+    else:
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            return LimitProblem(
+                f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", param
+            )
+    if stored is not None and len(ids) >= model.max_model_len:
+        return LimitProblem(
+            f"{stored} of {len(ids)} tokens does not fit the model's context "
+            f"({model.max_model_len})",
+            param,
+            "context_length_exceeded",
+        )
+    return ids

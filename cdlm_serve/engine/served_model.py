@@ -84,6 +84,10 @@ class ServedModel:
         return self.config.is_diffusion
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens an answer stops at (the config's and the tokenizer's)."""
         return eos_token_ids(self.config.eos_token_ids, self.tokenizer)

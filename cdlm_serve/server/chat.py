@@ -15,7 +15,7 @@ from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.planning import (
     Choice,
     UsageCount,
-    encode,
+    checked_prompt,
     generation_options,
     new_id,
     plan_choices,
@@ -63,7 +63,8 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
         },
     )
     text = render_prompt(served, req)
-    ids = encode(served, text, "messages")
+    # Taken as rendered: a chat template writes the BOS itself where its model wants one.
+    ids = checked_prompt(served, text, "messages", start=False)
     return plan_choices(served, options, [(ids, text)])
 
 

@@ -1,9 +1,10 @@
 """What a request becomes for the engine, shared by completions and chat: its body read once
-into the engines' neutral `GenerationOptions` (`generation_options`), one `Choice` per
-(prompt, sample) planned with every limit checked up front (`plan_choices`; each engine makes
-its own parameters and says what it cannot take, through the `Engine` contract alone), all
-submitted at once so the engine batches them (`run_choices`), and counted for usage and
-metrics (`UsageCount`, `usage`, `record`)."""
+into the engines' neutral `GenerationOptions` (`generation_options`), its prompts into checked
+token ids (`engine/limits.py` `prompt_ids`), one `Choice` per (prompt, sample) planned with
+every limit checked up front (`plan_choices`; each engine makes its own parameters and says
+what it cannot take, through the `Engine` contract alone), all submitted at once so the engine
+batches them (`run_choices`), and counted for usage and metrics (`UsageCount`, `usage`,
+`record`)."""
 
 from __future__ import annotations
 
@@ -113,14 +114,23 @@ def limit_error(problem: limits.LimitProblem) -> APIError:
     return APIError(400, problem.message, param=problem.param, code=problem.code)
 
 
-def encode(served: ServedModel, text: str, param: str = "prompt") -> list[int]:
-    try:
-        return served.encode(text)
-    except ValueError as e:
-        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+def checked_prompt(
+    served: ServedModel,
+    prompt: str | list[int],
+    param: str = "prompt",
+    start: bool = True,
+    stored: str | None = None,
+) -> list[int]:
+    """`limits.prompt_ids` for a route: the prompt's checked token ids, or its 400."""
+    ids = limits.prompt_ids(served, prompt, param, start, stored)
+    if isinstance(ids, limits.LimitProblem):
+        raise limit_error(ids)
+    return ids
 
 
-def prompt_ids(served: ServedModel, prompt: Any, start: bool = True) -> list[tuple[list[int], str]]:
+def request_prompts(
+    served: ServedModel, prompt: Any, start: bool = True
+) -> list[tuple[list[int], str]]:
     """Each prompt of a request (string, list of strings, token ids, list of id lists) as
     (token ids, text). A text that `start`s a sequence gets the tokenizer's BOS where it adds
     one (`ServedModel.sequence_start`); token ids are taken as they are."""
@@ -130,25 +140,17 @@ def prompt_ids(served: ServedModel, prompt: Any, start: bool = True) -> list[tup
         items = [prompt]
     else:
         items = list(prompt)
-    vocab = served.config.vocab_size
     out = []
     for p in items:
-        if isinstance(p, str):
-            ids = encode(served, p)
-            if ids and start:
-                ids = served.sequence_start(ids)
-            if not ids and served.config.bos_token_id is not None:
-                ids = [int(served.config.bos_token_id)]
-            if not ids:
-                raise APIError(400, "prompt is empty", param="prompt")
-            out.append((ids, p))
-        else:
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise APIError(
-                    400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
-                )
-            out.append((list(p), served.tokenizer.decode(p)))
+        ids = checked_prompt(served, p, start=start)
+        if isinstance(p, list):
+            out.append((ids, served.tokenizer.decode(p)))
+            continue
+        if not ids and served.config.bos_token_id is not None:  # a completion of nothing
+            ids = [int(served.config.bos_token_id)]
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        out.append((ids, p))
     return out
 
 
@@ -167,7 +169,7 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
             "logprobs": served.is_diffusion and req.logprobs is not None,
         },
     )
-    return plan_choices(served, options, prompt_ids(served, req.prompt))
+    return plan_choices(served, options, request_prompts(served, req.prompt))
 
 
 def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
@@ -180,7 +182,7 @@ def plan_session(served: ServedModel, req: CompletionRequest, session: Session) 
         {"echo": req.echo, "logprobs": req.logprobs is not None, "suffix": req.suffix is not None},
     )
     # A continuation: no BOS, unless the session is empty (its first text starts it).
-    ((ids, text),) = prompt_ids(served, req.prompt, start=not session.logical_length)
+    ((ids, text),) = request_prompts(served, req.prompt, start=not session.logical_length)
     if session.next_input is not None:
         ids = [session.next_input, *ids]
     return [session_choice(served, options, ids, text, session, req.append)]

@@ -16,7 +16,7 @@ from typing import Any
 
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.errors import APIError
-from cdlm_serve.server.planning import encode
+from cdlm_serve.server.planning import checked_prompt
 
 # Message roles as the chat template knows them (OpenAI's "developer" is a system message).
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -117,7 +117,7 @@ def first_prompt(served: ServedModel, turn: Turn) -> list[int]:
     """The prompt of a new conversation."""
     if not turn.messages:
         raise _refuse("input is empty")
-    return encode(served, _render(served, turn.first()), "input")
+    return checked_prompt(served, _render(served, turn.first()), "input", start=False)
 
 
 def continuation_ids(
@@ -142,7 +142,7 @@ def continuation_ids(
             f"the chat template of {served.name!r} cannot continue a stored conversation",
             param="previous_response_id",
         )
-    ids = encode(served, after, "input")
+    ids = checked_prompt(served, after, "input", start=False)
     if next_input in served.eos_token_ids and ids[:1] == [next_input]:
         ids = ids[1:]
     return ids
@@ -160,16 +160,8 @@ def prompt_text(served: ServedModel, turn: Turn) -> list[int]:
     before, found, _ = _render(served, [*messages[:-1], last]).partition(marker)
     if not found:
         raise _refuse(f"the chat template of {served.name!r} drops the assistant's answer")
-    ids = encode(served, before, "input")
-    if len(ids) >= served.max_model_len:
-        raise APIError(
-            400,
-            f"the conversation of {len(ids)} tokens does not fit the model's context "
-            f"({served.max_model_len})",
-            param="input",
-            code="context_length_exceeded",
-        )
-    return ids
+    # Stored whole as the new session's cache: it must leave the context room to go on.
+    return checked_prompt(served, before, "input", start=False, stored="the conversation")
 
 
 # The key under which a stored response's record keeps the input items it was created with

@@ -208,22 +208,8 @@ async def create_session(req: SessionCreateRequest, state: State) -> JSONRespons
     served = state.get(req.model)
     if served.is_diffusion:
         raise APIError(400, "sessions are for autoregressive models", param="model")
-    ids: list[int] = []
-    if req.prompt is not None:
-        ids = (
-            served.sequence_start(planning.encode(served, req.prompt))
-            if isinstance(req.prompt, str)
-            else list(req.prompt)
-        )
-        if any(not 0 <= t < served.config.vocab_size for t in ids):
-            raise APIError(400, "prompt holds a token id outside the vocabulary", param="prompt")
-        if len(ids) >= served.max_model_len:
-            raise APIError(
-                400,
-                f"prompt of {len(ids)} tokens does not fit the model's "
-                f"context ({served.max_model_len})",
-                param="prompt",
-            )
+    # Stored whole as the session's cache: it must leave the context room to go on.
+    ids = [] if req.prompt is None else planning.checked_prompt(served, req.prompt, stored="prompt")
     policy = auto_compact_policy(req.auto_compact, served)
     try:
         store.check_room(len(ids) * bytes_per_token(served))
