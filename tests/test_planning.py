@@ -1,6 +1,6 @@
 """The planner (server/planning.py) on an engine of neither kind: a request body read once into
 `GenerationOptions`, choices planned through the `Engine` contract alone (the engine makes its
-parameters and says what it cannot take)."""
+parameters and says what it cannot take), run through it, and gathered into one answer."""
 
 from __future__ import annotations
 
@@ -69,6 +69,14 @@ class FakeThread:
         yield EngineOutput(request_id, [prompt[0]], chr(prompt[0]), "length", cached_tokens=1)
 
 
+class FakeMetrics:
+    def __init__(self):
+        self.requests: list[tuple[str, int, int, str]] = []
+
+    def observe_request(self, model, prompt_tokens, completion_tokens, reason, seconds):
+        self.requests.append((model, prompt_tokens, completion_tokens, reason))
+
+
 def _served(engine: FakeEngine | None = None, hang: bool = False) -> ServedModel:
     engine = engine or FakeEngine()
     config = SimpleNamespace(is_diffusion=False, vocab_size=300, bos_token_id=None)
@@ -134,3 +142,42 @@ def test_what_the_engine_cannot_take_is_a_400_naming_the_parameter():
     with pytest.raises(APIError) as e:
         planning.plan_completion(_served(), _completion(max_tokens=63))
     assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+
+
+def test_choices_run_through_the_contract_and_are_gathered_into_one_answer():
+    served, metrics = _served(), FakeMetrics()
+    choices = planning.plan_completion(served, _completion(prompt=["ab", "c"], n=2, max_tokens=2))
+    seen: list[int] = []
+    answer = asyncio.run(
+        planning.gather(served, choices, 2, metrics, lambda i, out: seen.append(i))  # type: ignore[arg-type]
+    )
+    built = served.engine.built  # type: ignore[attr-defined]
+    assert [(prompt, params) for _, prompt, params in built] == [
+        (c.prompt_ids, c.params) for c in choices
+    ]
+    assert answer.texts == ["aa", "aa", "cc", "cc"]
+    assert answer.finish == ["length"] * 4
+    assert sorted(seen) == [0, 0, 1, 1, 2, 2, 3, 3]  # every output, for the route's own parts
+    # Each prompt counted once, however many samples (OpenAI's accounting); cached per prompt.
+    assert answer.usage == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    assert metrics.requests == [("fake", 3, 8, "length")]
+
+
+def test_a_gathered_answer_whose_client_left_is_recorded_as_an_abort():
+    served, metrics = _served(hang=True), FakeMetrics()
+    choices = planning.plan_completion(served, _completion(max_tokens=2))
+
+    async def leave() -> None:
+        task = asyncio.ensure_future(planning.gather(served, choices, 1, metrics))  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave())
+    assert metrics.requests == [("fake", 2, 0, "abort")]

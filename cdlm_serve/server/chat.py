@@ -3,12 +3,11 @@ engines and choice handling as completions, in the chat response shapes."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cdlm_serve.engine.decoding import TokenLogprob
+from cdlm_serve.engine.decoding import EngineOutput, TokenLogprob
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics
@@ -16,13 +15,12 @@ from cdlm_serve.server.planning import (
     Choice,
     UsageCount,
     checked_prompt,
+    gather,
     generation_options,
     new_id,
     plan_choices,
-    record,
     reject_unsupported,
     run_choices,
-    usage,
 )
 from cdlm_serve.server.schemas import ChatCompletionRequest
 from cdlm_serve.server.streaming import StreamHead, StreamKind
@@ -89,22 +87,12 @@ async def complete(
     choices: list[Choice],
     metrics: Metrics | None = None,
 ) -> dict[str, Any]:
-    started = time.perf_counter()
-    tally = UsageCount()
-    texts: dict[int, list[str]] = {i: [] for i in range(len(choices))}
-    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(choices))}
-    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
-    try:
-        async for i, out in run_choices(served, choices):
-            texts[i].append(out.text)
-            tally.add(out, i)
-            finish[i] = out.finish_reason or finish[i]
-            logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
-    except asyncio.CancelledError:  # the client went away: counted as an abort
-        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
-        raise
-    body = usage(served, choices, req.n, tally)
-    record(metrics, served, body, tally, started, len(choices))
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in choices]
+
+    def add_logprobs(i: int, out: EngineOutput) -> None:
+        logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
+
+    answer = await gather(served, choices, req.n, metrics, add_logprobs)
     return {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -113,13 +101,13 @@ async def complete(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(texts[i])},
+                "message": {"role": "assistant", "content": answer.texts[i]},
                 "logprobs": {"content": logprobs[i]} if req.logprobs else None,
-                "finish_reason": finish[i],
+                "finish_reason": answer.finish[i],
             }
             for i, c in enumerate(choices)
         ],
-        "usage": body,
+        "usage": answer.usage,
     }
 
 

@@ -11,16 +11,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cdlm_serve.engine.decoding import TokenLogprob
+from cdlm_serve.engine.decoding import EngineOutput, TokenLogprob
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.planning import (
     Choice,
     UsageCount,
+    gather,
     new_id,
-    record,
     run_choices,
-    usage,
 )
 from cdlm_serve.server.schemas import CompletionRequest
 from cdlm_serve.server.streaming import StreamHead, StreamKind
@@ -75,28 +74,16 @@ async def complete(
     choices: list[Choice],
     metrics: Metrics | None = None,
 ) -> dict[str, Any]:
-    started = time.perf_counter()
-    tally = UsageCount()
-    texts: dict[int, list[str]] = {
-        i: [c.prompt_text] if req.echo else [] for i, c in enumerate(choices)
-    }
-    finish: dict[int, str | None] = dict.fromkeys(range(len(choices)))
     logprobs = {i: _logprobs(served, req) for i in range(len(choices))}
-    try:
-        async for i, out in run_choices(served, choices):
-            texts[i].append(out.text)
-            tally.add(out, i)
-            finish[i] = out.finish_reason or finish[i]
-            lp = logprobs[i]
-            if lp is not None:
-                if out.prompt_logprobs is not None:
-                    lp.add_prompt(choices[i].prompt_ids, out.prompt_logprobs)
-                lp.add_outputs(out.logprobs)
-    except asyncio.CancelledError:  # the client went away: counted as an abort
-        record(metrics, served, usage(served, choices, req.n, tally), tally, started, len(choices))
-        raise
-    body = usage(served, choices, req.n, tally)
-    record(metrics, served, body, tally, started, len(choices))
+
+    def add_logprobs(i: int, out: EngineOutput) -> None:
+        lp = logprobs[i]
+        if lp is not None:
+            if out.prompt_logprobs is not None:
+                lp.add_prompt(choices[i].prompt_ids, out.prompt_logprobs)
+            lp.add_outputs(out.logprobs)
+
+    answer = await gather(served, choices, req.n, metrics, add_logprobs)
     return {
         "id": new_id(),
         "object": "text_completion",
@@ -105,13 +92,13 @@ async def complete(
         "choices": [
             {
                 "index": c.index,
-                "text": "".join(texts[i]),
+                "text": (c.prompt_text if req.echo else "") + answer.texts[i],
                 "logprobs": None if (lp := logprobs[i]) is None else lp.body(),
-                "finish_reason": finish[i],
+                "finish_reason": answer.finish[i],
             }
             for i, c in enumerate(choices)
         ],
-        "usage": body,
+        "usage": answer.usage,
     }
 
 

@@ -3,8 +3,8 @@ into the engines' neutral `GenerationOptions` (`generation_options`), its prompt
 token ids (`engine/limits.py` `prompt_ids`), one `Choice` per (prompt, sample) planned with
 every limit checked up front (`plan_choices`; each engine makes its own parameters and says
 what it cannot take, through the `Engine` contract alone), all submitted at once so the engine
-batches them (`run_choices`), and counted for usage and metrics (`UsageCount`, `usage`,
-`record`)."""
+batches them (`run_choices`), gathered into one answer (`gather`) and counted for usage and
+metrics (`UsageCount`, `usage`, `record`)."""
 
 from __future__ import annotations
 
@@ -317,6 +317,49 @@ async def run_choices(
     finally:
         for t in tasks:  # the client went away or a choice failed: stop the others too
             t.cancel()
+
+
+@dataclass(slots=True)
+class Gathered:
+    """A request's answer gathered whole (not streamed): each choice's text and finish reason,
+    and the usage, as `usage` counts it."""
+
+    texts: list[str]
+    finish: list[str | None]
+    usage: dict[str, Any]
+
+
+def _ignore(choice: int, out: EngineOutput) -> None:
+    """No route-specific reading of the outputs."""
+
+
+async def gather(
+    served: ServedModel,
+    choices: list[Choice],
+    n: int,
+    metrics: Metrics | None,
+    on_output: Callable[[int, EngineOutput], None] = _ignore,
+) -> Gathered:
+    """All choices run to the end (`run_choices`), for a body that answers them at once,
+    completions and chat alike: `on_output(choice, output)` sees each output (the route's own
+    parts: logprobs). The request is recorded however it ends; a cancelled one (its client went
+    away) as an abort."""
+    started = time.perf_counter()
+    tally = UsageCount()
+    texts: list[list[str]] = [[] for _ in choices]
+    finish: list[str | None] = [None] * len(choices)
+    try:
+        async for i, out in run_choices(served, choices):
+            texts[i].append(out.text)
+            tally.add(out, i)
+            finish[i] = out.finish_reason or finish[i]
+            on_output(i, out)
+    except asyncio.CancelledError:
+        record(metrics, served, usage(served, choices, n, tally), tally, started, len(choices))
+        raise
+    body = usage(served, choices, n, tally)
+    record(metrics, served, body, tally, started, len(choices))
+    return Gathered(["".join(t) for t in texts], finish, body)
 
 
 def new_id(prefix: str = "cmpl") -> str:
