@@ -5,7 +5,6 @@ models one per completed block and report `usage.steps`."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
