@@ -8,7 +8,7 @@ sets the abort flag; the engine drops the sequence at its next step.
 
 Model work that is not a sequence (a compaction's pieces) is submitted as work with a priority
 (`submit`, `call`, `run`) into the engine's `WorkQueue`, which says when each piece runs: between
-two steps, for its priority's share of the thread (`engine.decoding.scheduler`). This thread only
+two steps, for its priority's share of the thread (`engine.decoding.work_queue`). This thread only
 executes what the engine's scheduler and work queue hand it, so the model is only ever used from
 here, and long work, cut into pieces, never stops decoding for longer than one piece.
 

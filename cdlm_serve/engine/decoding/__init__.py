@@ -5,7 +5,7 @@ What the server and the served model use is exported here: the two engines (`ARE
 (`GenerationOptions`, from which each engine makes its own parameters: `SamplingParams`,
 `DLMParams`), the diffusion decoding modes' registry (`MODES`), and the queue of model work
 between the steps (`WorkQueue`, `Work`, `Priority`). Inside: `request`,
-`scheduler` (rows, admission, aborts), `model_runner` (one forward for a step's rows),
+`scheduler` (rows, admission, aborts), `work_queue`, `model_runner` (one forward for a step's rows),
 `sampling`, `unmasking`, `text_output`, `prefix_cache`, `dlm_sequence`, `dlm_modes/`.
 """
 
@@ -18,8 +18,8 @@ from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelR
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.request import DIFFUSION_OPTIONS, GenerationOptions
 from cdlm_serve.engine.decoding.sampling import GenerationParams, SamplingParams, eos_token_ids
-from cdlm_serve.engine.decoding.scheduler import Priority, Work, WorkQueue
 from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
+from cdlm_serve.engine.decoding.work_queue import Priority, Work, WorkQueue
 
 __all__ = [
     "DIFFUSION_OPTIONS",

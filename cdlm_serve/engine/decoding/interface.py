@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
     from cdlm_serve.engine.decoding.request import GenerationOptions
     from cdlm_serve.engine.decoding.sampling import SamplingParams
-    from cdlm_serve.engine.decoding.scheduler import WorkQueue
+    from cdlm_serve.engine.decoding.work_queue import WorkQueue
     from cdlm_serve.engine.limits import LimitProblem
     from cdlm_serve.engine.sessions import Session
 
@@ -83,7 +83,7 @@ class Engine(Protocol[P, S]):
     @property
     def work(self) -> WorkQueue:
         """Model work that is not a sequence, run between the steps (`engine.decoding.
-        scheduler.WorkQueue` says what runs when)."""
+        work_queue.WorkQueue` says what runs when)."""
         ...
 
     def new_sequence(

@@ -1,4 +1,4 @@
-"""What runs each step: the row scheduler both engines use, and their queue of model work.
+"""Which sequences run, in which rows: the row scheduler both engines use.
 
 An engine holds sequences in batches ("groups": the AR engine has one, the diffusion engine one
 per decoding mode, each its own KV cache). A sequence waits in one queue, joins its group in
@@ -9,24 +9,18 @@ is noticed at the next step, waiting or running, and its sequence leaves with "a
 
 Each engine's step reads: `schedule` (aborts, admission) -> run its groups -> `retire_finished`.
 
-Model work that is not a sequence (a compaction's pieces: its query capture and staged forwards)
-waits in the engine's `WorkQueue`, by priority, and runs between two steps, for as long as its
-priority's share of the last step's time (`WorkQueue.next`): the engine thread only executes what
-the queue and the scheduler hand it.
+Beside the sequences, the scheduler holds the engine's queue of other model work
+(`engine.decoding.work_queue.WorkQueue`): the engine thread only executes what the two hand it.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from cdlm_serve.engine.decoding.interface import EngineOutput
+from cdlm_serve.engine.decoding.work_queue import WorkQueue
 
 
 class Scheduled(Protocol):
@@ -41,79 +35,6 @@ class Scheduled(Protocol):
 
 
 S = TypeVar("S", bound=Scheduled)
-
-
-class Priority(IntEnum):
-    """Model work's priority: lower runs first, and may take a larger share of the thread."""
-
-    REQUEST = 0  # a client waits for it (a compaction it asked for)
-    BACKGROUND = 1  # nobody waits (an online compaction after an append)
-
-
-# Between two decode steps, work of a priority may run for this share of the last step's time
-# (then at most one more piece): a long compaction cut into pieces a decode step long gets about
-# half the thread at REQUEST, a third at BACKGROUND, and decoding is never held up for longer.
-SHARE = {Priority.REQUEST: 1.0, Priority.BACKGROUND: 0.5}
-
-
-@dataclass(order=True, slots=True)
-class Work:
-    """A piece of model work: `fn()` runs on the engine thread; its result or error goes to
-    `result`. Ordered by priority, then arrival."""
-
-    priority: Priority
-    order: int
-    fn: Callable[[], Any] = field(compare=False)
-    result: Future[Any] = field(compare=False, default_factory=Future)
-
-
-class WorkQueue:
-    """The engine's model work, in priority order, and when it may run. Only the engine thread
-    calls `next`, `stepped` and `worked`; `len()` is read from any thread as a snapshot."""
-
-    def __init__(self) -> None:
-        self._heap: list[Work] = []
-        self._order = itertools.count()
-        self._last_step = 0.0  # seconds the last decode step took
-        self._turn = 0.0  # seconds of work run since then
-        self._share = 1.0  # the share of the last piece's priority
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def make(self, fn: Callable[[], Any], priority: Priority) -> Work:
-        return Work(priority, next(self._order), fn)
-
-    def add(self, work: Work) -> None:
-        heapq.heappush(self._heap, work)
-
-    def next(self, decoding: bool) -> Work | None:
-        """The piece to run now, or None: the next decode step comes first. With nothing
-        `decoding`, work has the thread; else a turn between two steps runs pieces while it
-        has used less than its share of the last step's time."""
-        if not self._heap:
-            return None
-        share = SHARE[self._heap[0].priority]
-        if decoding and self._turn >= self._last_step * share:
-            return None
-        self._share = share
-        return heapq.heappop(self._heap)
-
-    def has_time(self) -> bool:
-        """The turn has time left: a next piece, submitted as soon as this one's result is
-        back, is worth waiting a moment for."""
-        return 0 < self._turn < self._last_step * self._share
-
-    def worked(self, seconds: float) -> None:
-        self._turn += seconds
-
-    def stepped(self, seconds: float) -> None:
-        self._last_step, self._turn = seconds, 0.0
-
-    def drain(self) -> list[Work]:
-        """Everything still queued (the thread is stopping: each is failed)."""
-        out, self._heap = self._heap, []
-        return out
 
 
 class Scheduler(Generic[S]):
