@@ -34,6 +34,15 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ar_engine(tiny_llama_dir):
+    """An AR engine of the tiny model (fp32, CPU, a 512-token context), driven by the test."""
+    from cdlm_serve.engine.decoding import AREngine
+    from cdlm_serve.models.loading import load_model
+
+    return AREngine(load_model(tiny_llama_dir)[0], tiny_models.byte_tokenizer(), 512)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, fetched and converted once (shared with the user's cache)."""
     from cdlm_serve.models.fetch import ensure_model
@@ -181,6 +190,19 @@ def default_server(smollm2_dir) -> Iterator[str]:
     """`cdlm-serve` with no --model: the default models, as a new user starts it (shared by
     the modules that need it: starting it costs ~30 s)."""
     with running_server() as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def tiny_ar_and_dlm_server(tiny_llama_dir, tmp_path_factory) -> Iterator[str]:
+    """The tiny AR model `tiny` and a tiny Dream model `dream` on one server (fp32, CPU): the
+    request options of one kind of model that the other must refuse."""
+    dream = tmp_path_factory.mktemp("dream")
+    tiny_models.dream_tiny(dream)
+    with running_server(
+        "--model", f"tiny={tiny_llama_dir}", "--model", f"dream={dream}",
+        "--device", "cpu", "--dtype", "float32",
+    ) as base:  # fmt: skip
         yield base
 
 

@@ -194,7 +194,7 @@ def test_a_conversation_given_as_input_is_compacted_into_a_response(client, base
     "body, status, param",
     [
         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, 400, "text"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text"),
         ({"input": "x", "background": True}, 400, "background"),
         ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
         (

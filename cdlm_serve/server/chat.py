@@ -53,10 +53,6 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
         options,
         {
             "tools": bool(req.tools),
-            "response_format": req.response_format is not None
-            and req.response_format.get("type") != "text",
-            "presence_penalty": req.presence_penalty != 0.0,
-            "frequency_penalty": req.frequency_penalty != 0.0,
             "logprobs": served.is_diffusion and req.logprobs,
         },
     )

@@ -29,6 +29,7 @@ from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.metrics import Metrics
 from cdlm_serve.server.request_limits import MAX_CHOICES
 from cdlm_serve.server.schemas import CompletionRequest, GenerationRequest
+from cdlm_serve.server.structured import grammar_of
 
 
 @dataclass(slots=True)
@@ -81,6 +82,13 @@ def generation_options(
         logprobs=logprobs,
         ignore_eos=req.ignore_eos,
         cache_salt=req.cache_salt,
+        # Each only where the body asks for it: a diffusion model refuses them.
+        presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None,
+        repetition_penalty=None if req.repetition_penalty == 1.0 else req.repetition_penalty,
+        logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None,
+        min_p=req.min_p or None,
+        grammar=grammar_of(req),
         decoding=req.decoding,
         block_size=req.block_size,
         threshold=req.threshold,
@@ -94,9 +102,17 @@ def generation_options(
 def reject_unsupported(
     served: ServedModel, options: GenerationOptions, unsupported: dict[str, bool]
 ) -> None:
+    autoregressive_only: list[str] = []  # what a diffusion model refuses
     if served.is_diffusion:
         if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
             unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
+        # A grammar is named by the field the request set it with.
+        named = [
+            options.grammar.param if name == "grammar" and options.grammar else name
+            for name in options.autoregressive_options()
+        ]
+        autoregressive_only = ["logprobs", *named]
+        unsupported |= dict.fromkeys(named, True)
     else:
         unsupported |= dict.fromkeys(options.diffusion_options(), True)
     for param, used in unsupported.items():
@@ -104,7 +120,7 @@ def reject_unsupported(
             reason = (
                 "only for diffusion models" if param in DIFFUSION_OPTIONS else "by this server yet"
             )
-            if param == "logprobs" and served.is_diffusion:
+            if param in autoregressive_only:
                 reason = "for diffusion models"
             raise APIError(400, f"{param} is not supported {reason}", param=param)
 
@@ -164,8 +180,6 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
         {
             "suffix": req.suffix is not None,
             "best_of": req.best_of is not None and req.best_of != req.n,
-            "presence_penalty": req.presence_penalty != 0.0,
-            "frequency_penalty": req.frequency_penalty != 0.0,
             "logprobs": served.is_diffusion and req.logprobs is not None,
         },
     )

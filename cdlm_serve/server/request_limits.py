@@ -16,6 +16,8 @@ from cdlm_serve.server.errors import APIError, error_response
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of id lists)
 MAX_CHOICES = 64  # prompts x n: every choice is a sequence in the engine's queue
+MAX_CHOICES_LISTED = 1024  # strings one guided_choice may list
+MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name: each is one indexed add a step
 MAX_STOP_CHARS = 256  # per stop string: the engine searches every new token's text for them
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, like OpenAI's
 # Diffusion `steps` (each one forward pass); also at most the answer length (server.planning).

@@ -71,6 +71,17 @@ class ResponseCreateRequest(BaseModel):
             )
         return v
 
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` in chat's `response_format` shape (a JSON schema's fields sit beside
+        its type here, inside `json_schema` there), or None for plain text."""
+        fmt = (self.text or {}).get("format")
+        if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+            return None
+        if fmt.get("type") == "json_schema":
+            inner = {k: v for k, v in fmt.items() if k != "type"}
+            return {"type": "json_schema", "json_schema": inner}
+        return dict(fmt)
+
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do (text in, text out, no
         tools, nothing in the background), or None."""
@@ -78,7 +89,8 @@ class ResponseCreateRequest(BaseModel):
         used = {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "text": not isinstance(fmt, dict) or fmt.get("type") != "text",
+            "text": not isinstance(fmt, dict)
+            or fmt.get("type") not in ("text", "json_object", "json_schema"),
             "reasoning": any(v is not None for v in (self.reasoning or {}).values()),
             "background": bool(self.background),
             "conversation": self.conversation is not None,

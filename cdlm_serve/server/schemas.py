@@ -10,7 +10,9 @@ from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, MIN_RATI
 from cdlm_serve.engine.decoding import MODES
 from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import (
+    MAX_CHOICES_LISTED,
     MAX_DLM_STEPS,
+    MAX_LOGIT_BIAS,
     MAX_PROMPTS,
     MAX_STOP_CHARS,
     SEED_MAX,
@@ -73,6 +75,19 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Token id (as a string, OpenAI's form) -> a bias added to its logit.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions (the OpenAI SDK sends them through `extra_body`).
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    # Structured outputs (server/structured.py): OpenAI's response_format, and vLLM's
+    # spellings, its older guided_* fields and its structured_outputs object.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES_LISTED)
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extension: keep generating past end-of-text (benchmarks need fixed-length answers).
     ignore_eos: bool = False
@@ -102,6 +117,20 @@ class GenerationRequest(BaseModel):
     def _registered_mode(cls, v: str | None) -> str | None:
         if v is not None and v not in MODES:
             raise ValueError(f"decoding must be one of {', '.join(MODES)}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in v.items():
+            if not token.isdigit() or len(token) > 12:
+                raise ValueError(f"logit_bias keys must be token ids, not {token[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
         return v
 
     @field_validator("stop")
@@ -172,7 +201,6 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class PromptTokensDetails(BaseModel):

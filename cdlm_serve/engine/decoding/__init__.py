@@ -13,15 +13,21 @@ from cdlm_serve.engine.decoding.ar_engine import AREngine, ARSequence
 from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
 from cdlm_serve.engine.decoding.dlm_modes import MODES
 from cdlm_serve.engine.decoding.dlm_sequence import DLMParams, DLMSequence
+from cdlm_serve.engine.decoding.grammar import GrammarError, GrammarSpec
 from cdlm_serve.engine.decoding.interface import Engine, EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
-from cdlm_serve.engine.decoding.request import DIFFUSION_OPTIONS, GenerationOptions
+from cdlm_serve.engine.decoding.request import (
+    AUTOREGRESSIVE_OPTIONS,
+    DIFFUSION_OPTIONS,
+    GenerationOptions,
+)
 from cdlm_serve.engine.decoding.sampling import GenerationParams, SamplingParams, eos_token_ids
 from cdlm_serve.engine.decoding.unmasking import DREAM_ALGS, LLADA_REMASKING
 from cdlm_serve.engine.decoding.work_queue import Priority, Work, WorkQueue
 
 __all__ = [
+    "AUTOREGRESSIVE_OPTIONS",
     "DIFFUSION_OPTIONS",
     "DREAM_ALGS",
     "FUSED_PREFILL_TOKENS",
@@ -36,6 +42,8 @@ __all__ = [
     "EngineOutput",
     "GenerationOptions",
     "GenerationParams",
+    "GrammarError",
+    "GrammarSpec",
     "ModelRunner",
     "PrefixCache",
     "Priority",

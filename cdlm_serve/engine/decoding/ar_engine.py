@@ -23,12 +23,15 @@ import torch
 from torch import Tensor
 
 from cdlm_serve.engine import heap, limits
+from cdlm_serve.engine.decoding.grammar import GrammarError, Grammars, allowed_tokens
 from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.request import GenerationOptions
 from cdlm_serve.engine.decoding.sampling import (
+    Adjusted,
     SamplingParams,
+    adjust_logits,
     eos_token_ids,
     make_generator,
     sample,
@@ -68,6 +71,7 @@ class ARSequence:
     cached: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
     # The prompt's logprobs so far (tokens 1.. of the prompt), when its params ask for them.
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    counts: dict[int, int] = field(default_factory=dict)  # answer tokens, for the penalties
     # Timing, for metrics (perf_counter seconds).
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # set by the scheduler
@@ -108,6 +112,7 @@ class AREngine(ScheduledEngine[ARSequence]):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids(model.config.eos_token_ids, tokenizer)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)  # structured outputs
         self.scheduler: Scheduler[ARSequence] = Scheduler(
             max_batch,
             group_of=lambda seq: ROWS,
@@ -136,7 +141,22 @@ class AREngine(ScheduledEngine[ARSequence]):
             prompt_logprobs=options.prompt_logprobs,
             ignore_eos=options.ignore_eos,
             cache_salt=options.cache_salt,
+            presence_penalty=options.presence_penalty or 0.0,
+            frequency_penalty=options.frequency_penalty or 0.0,
+            repetition_penalty=options.repetition_penalty or 1.0,
+            logit_bias=dict(options.logit_bias or {}),
+            min_p=options.min_p or 0.0,
+            grammar=self._grammar(options),
         )
+
+    def _grammar(self, options: GenerationOptions) -> Any | None:
+        """The answer's own matcher for the request's grammar (compiled once per grammar)."""
+        if options.grammar is None:
+            return None
+        try:
+            return self.grammars.matcher(options.grammar)
+        except GrammarError as e:
+            raise limits.LimitError(limits.LimitProblem(str(e), e.param)) from None
 
     def problem(
         self, prompt: int, params: SamplingParams, history: int = 0
@@ -145,6 +165,13 @@ class AREngine(ScheduledEngine[ARSequence]):
         token (a prefill's too, of max_tokens 0: it asks for none, but must leave room for
         one); a longer answer is cut to the context (`clamp`)."""
         wanted = params.max_tokens or None
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            return limits.LimitProblem(
+                f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab})",
+                "logit_bias",
+            )
         return limits.ar_problem(prompt, wanted, history, self.max_model_len, clamp=True)
 
     def new_sequence(
@@ -222,6 +249,11 @@ class AREngine(ScheduledEngine[ARSequence]):
             hidden = self.runner.extend_tokens(chunks, self.cache)  # [T, hidden]
             ends = list(itertools.accumulate(len(tokens) for _, tokens in chunks))
             logits = self.model.logits(hidden[[end - 1 for end in ends]])  # [len(chunks), V]
+            sampling = [  # the rows that draw a token this step
+                seq.prefilled + len(tokens) >= len(seq.prompt)
+                for seq, (_, tokens) in zip(seqs, chunks, strict=True)
+            ]
+            drawn = self._adjusted(seqs, sampling, logits)  # what tokens are drawn from
             for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
                 if seq.prefilled < len(seq.prompt):
                     if seq.params.prompt_logprobs is not None:
@@ -234,7 +266,7 @@ class AREngine(ScheduledEngine[ARSequence]):
                         outputs.append(self._finish(seq, EngineOutput(seq.id, [], "", "length")))
                         continue
                 # A decode step, or the prompt is in: the next token.
-                outputs.append(self._accept(seq, logits[i]))
+                outputs.append(self._accept(seq, logits[i], drawn[i]))
         self.scheduler.retire_finished()
         self._shed()
         return outputs
@@ -301,14 +333,39 @@ class AREngine(ScheduledEngine[ARSequence]):
         if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
             pc.insert(tokens, cache, seq.row, seq.params.cache_salt)
 
+    def _adjusted(self, seqs: list[ARSequence], sampling: list[bool], logits: Tensor) -> Tensor:
+        """The step's logits [n, V] with the penalties and biases of the rows that ask for
+        them, all such rows in one pass, and then the grammar masks of the rows that follow
+        one and draw a token now; the logits themselves when none does (the usual step pays
+        nothing)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.adjusts_logits and sampling[i]]
+        if not rows:
+            return logits
+        adjusted = logits.to(torch.float32, copy=True)  # [n, V]
+        biased = [i for i in rows if seqs[i].params.biases_logits]
+        if biased:
+            adjusted[biased] = adjust_logits(
+                logits[biased],
+                [Adjusted(seqs[i].params, seqs[i].prompt, seqs[i].counts) for i in biased],
+            )
+        ruled = [i for i in rows if seqs[i].params.grammar is not None]
+        if ruled:
+            matchers = [seqs[i].params.grammar for i in ruled]
+            allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)  # [k, V]
+            adjusted[ruled] = adjusted[ruled].masked_fill(~allowed, float("-inf"))
+        return adjusted
+
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:
         if seq.params.greedy:
             return int(kernels.argmax(logits[None])[0])
         return int(sample(logits[None], seq.params, seq.generator)[0])
 
-    def _accept(self, seq: ARSequence, logits: Tensor) -> EngineOutput:
-        """Sample the next token of `seq` from its logits [V] and say what it adds."""
-        token = self._sample(seq, logits)
+    def _accept(self, seq: ARSequence, logits: Tensor, drawn: Tensor) -> EngineOutput:
+        """Sample the next token of `seq` from `drawn` (its logits [V] as the request adjusted
+        them) and say what it adds; its logprobs are the model's own (`logits`), as vLLM
+        reports them by default."""
+        token = self._sample(seq, drawn)
+        seq.counts[token] = seq.counts.get(token, 0) + 1
         if seq.next_input is not None:  # the previous token has just been run through the model
             seq.run_tokens.append(seq.next_input)
         seq.last_token = token
@@ -323,6 +380,12 @@ class AREngine(ScheduledEngine[ARSequence]):
             # Counted as generated (as OpenAI and vLLM do), never shown as text.
             return self._finish(seq, EngineOutput(seq.id, [token], seq.text.flush(), "stop", lps))
         delta = seq.text.push(token)
+        grammar = seq.params.grammar
+        if grammar is not None and (not grammar.consume_token(token) or grammar.is_stopped()):
+            # The grammar is complete (nothing may follow but the end), or the token broke it
+            # (a mask cannot let one through: then the answer ends where it still held).
+            out = EngineOutput(seq.id, [token], delta.text + seq.text.flush(), "stop", lps)
+            return self._finish(seq, out)
         if delta.stopped:
             return self._finish(seq, EngineOutput(seq.id, [token], delta.text, "stop", lps))
         if seq.generated >= seq.budget:

@@ -9,9 +9,23 @@ planner never asks which kind of engine it has.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cdlm_serve.engine.decoding.grammar import GrammarSpec
 
 # The options only a diffusion engine takes, in the order a refusal names them.
 DIFFUSION_OPTIONS = ("decoding", "block_size", "threshold", "steps", "alg", "alg_temp", "remasking")
+# The options only the autoregressive engine takes (they change its next-token distribution;
+# a diffusion engine commits many tokens a pass, from no one token's distribution).
+AUTOREGRESSIVE_OPTIONS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_p",
+    "grammar",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +44,13 @@ class GenerationOptions:
     prompt_logprobs: int | None = None  # the same for each prompt token (an echoed prompt)
     ignore_eos: bool = False
     cache_salt: str | None = None  # prefix-cache blocks are shared within one salt only
+    # The autoregressive engine's (AUTOREGRESSIVE_OPTIONS; `SamplingParams` says what each does).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_p: float | None = None
+    grammar: GrammarSpec | None = None  # the answer's structure (structured outputs)
     # The diffusion engine's (DIFFUSION_OPTIONS): its decoding mode, block size and threshold,
     # and the reference releases' own options: a fixed number of steps, Dream's `alg` and
     # `alg_temp`, LLaDA's `remasking` (`alg`'s alternative).
@@ -40,6 +61,11 @@ class GenerationOptions:
     alg: str | None = None
     alg_temp: float | None = None
     remasking: str | None = None
+
+    def autoregressive_options(self) -> list[str]:
+        """The autoregressive-only options this request sets (a diffusion model refuses them),
+        in AUTOREGRESSIVE_OPTIONS' order."""
+        return [name for name in AUTOREGRESSIVE_OPTIONS if getattr(self, name) is not None]
 
     def diffusion_options(self) -> list[str]:
         """The diffusion-only options this request sets (an autoregressive model refuses

@@ -1,9 +1,14 @@
-"""Sampling parameters and next-token sampling (greedy, temperature, top-p, seeded)."""
+"""Sampling parameters and next-token sampling (greedy, temperature, top-p, min-p, seeded), and
+the logit adjustments a request may ask for (repetition, presence and frequency penalties, a
+logit bias), applied to the rows of a step's logits that ask for them in one pass
+(`adjust_logits`)."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +52,90 @@ class SamplingParams(GenerationParams):
     # Prefix-cache blocks are shared only between requests with the same salt (vLLM's
     # cache_salt: tenants cannot probe each other's prompts through cache timing).
     cache_salt: str | None = None
+    # OpenAI's penalties on the answer's tokens so far: `presence_penalty` once a token has
+    # appeared, `frequency_penalty` per appearance (subtracted from its logit).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (CTRL's): the logit of a token seen in the prompt or the answer is divided by it
+    # when positive, multiplied when negative. 1: off.
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
+    # Tokens less likely than min_p x the most likely one's probability are never drawn.
+    min_p: float = 0.0
+    # The answer follows a grammar: this answer's own llguidance matcher
+    # (`engine.decoding.grammar.Grammars.matcher`), advanced with every token sampled.
+    grammar: Any | None = None
+
+    @property
+    def biases_logits(self) -> bool:
+        """The request penalizes or biases its logits before sampling (`adjust_logits`)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Its logits change before sampling: biased, or masked by its grammar."""
+        return self.biases_logits or self.grammar is not None
+
+
+@dataclass(slots=True)
+class Adjusted:
+    """What `adjust_logits` reads of one row: its parameters, its prompt and its answer's token
+    counts so far."""
+
+    params: SamplingParams
+    prompt: Sequence[int]
+    counts: dict[int, int]
+
+
+def adjust_logits(logits: Tensor, rows: Sequence[Adjusted]) -> Tensor:
+    """Each row's penalties and bias on logits [len(rows), V], in one pass over all the rows
+    (a few indexed ops on the tokens they name, whatever the batch): the repetition penalty on
+    every token of the prompt and the answer, then presence and frequency on the answer's, then
+    the bias. Returns float32 logits [len(rows), V] (a new tensor)."""
+    out = logits.to(torch.float32, copy=True)  # [k, V]
+    device = out.device
+    # (row, token, value) triples: the repetition penalty of every token seen, the amount the
+    # presence and frequency penalties subtract, the bias added.
+    rep_r: list[int] = []
+    rep_t: list[int] = []
+    rep_p: list[float] = []
+    pen_r: list[int] = []
+    pen_t: list[int] = []
+    pen_v: list[float] = []
+    bias_r: list[int] = []
+    bias_t: list[int] = []
+    bias_v: list[float] = []
+    for r, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = set(row.prompt) | row.counts.keys()
+            rep_r += [r] * len(seen)
+            rep_t += seen
+            rep_p += [p.repetition_penalty] * len(seen)
+        if p.presence_penalty or p.frequency_penalty:
+            for tok, n in row.counts.items():
+                pen_r.append(r)
+                pen_t.append(tok)
+                pen_v.append(p.presence_penalty + p.frequency_penalty * n)
+        for tok, b in p.logit_bias.items():
+            bias_r.append(r)
+            bias_t.append(tok)
+            bias_v.append(b)
+    if rep_r:
+        idx = (torch.tensor(rep_r, device=device), torch.tensor(rep_t, device=device))
+        penalty = torch.tensor(rep_p, device=device)
+        seen_logits = out[idx]
+        out[idx] = torch.where(seen_logits > 0, seen_logits / penalty, seen_logits * penalty)
+    for rs, ts, vs, sign in ((pen_r, pen_t, pen_v, -1.0), (bias_r, bias_t, bias_v, 1.0)):
+        if rs:
+            idx = (torch.tensor(rs, device=device), torch.tensor(ts, device=device))
+            out.index_put_(idx, sign * torch.tensor(vs, device=device), accumulate=True)
+    return out
 
 
 def eos_token_ids(config_eos: list[int], tokenizer: object) -> frozenset[int]:
@@ -73,6 +162,8 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     probs = tempered_softmax(logits.float(), params.temperature)  # [B, V]
     if params.top_p < 1.0:
         probs = _top_p_filter(probs, params.top_p)
+    if params.min_p > 0.0:
+        probs = _min_p_filter(probs, params.min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -88,6 +179,13 @@ def tempered_softmax(logits: Tensor, temperature: float) -> Tensor:
     """softmax(logits / temperature) over the last dim, never inf or NaN for a temperature
     > 0 (TEMPERATURE_FLOOR): the smallest give the greedy choice."""
     return torch.softmax(logits / max(temperature, TEMPERATURE_FLOOR), dim=-1)
+
+
+def _min_p_filter(probs: Tensor, min_p: float) -> Tensor:
+    """Drop the tokens less likely than min_p x the most likely one (which always stays)."""
+    floor = min_p * probs.max(dim=-1, keepdim=True).values  # [B, 1]
+    kept = probs.masked_fill(probs < floor, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:

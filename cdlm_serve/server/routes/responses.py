@@ -197,7 +197,7 @@ class Answer:
             "reasoning": {"effort": None, "summary": None},
             "store": req.store,
             "temperature": req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": "none",
             "tools": [],
             "top_p": req.top_p,
@@ -243,6 +243,7 @@ def _completion(req: ResponseCreateRequest, ids: list[int], append: bool) -> Com
             "cache_salt": req.cache_salt,
             "stream": req.stream,
             "append": append,
+            "response_format": req.response_format(),
         }
     )
 

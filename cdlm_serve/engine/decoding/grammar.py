@@ -1,0 +1,144 @@
+"""Structured outputs: a grammar (a JSON schema, any JSON object, a regex, a choice among
+strings, a Lark or GBNF grammar) that an autoregressive answer must follow, token by token.
+
+The grammar engine is llguidance (Microsoft's, also behind vLLM's and llama.cpp's structured
+outputs; a Rust library without dependencies: `docs/api.md` says why it and not xgrammar). A
+model's `Grammars` holds its tokenizer as llguidance sees it (built once) and the requests'
+compiled grammars (least recently used first out); each request gets its own copy of the
+compiled matcher (`matcher`), which the engine advances with every token it samples. At each
+step the rows that follow a grammar get their masks of allowed tokens together
+(`allowed_tokens`: llguidance fills them in parallel), and a row without one pays nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+import llguidance.torch
+import torch
+from torch import Tensor
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+MAX_CACHED = 256  # compiled grammars a model keeps (each a few KB to a few MB)
+_ANY_OBJECT = '{"type": "object"}'
+# JSON as `json.dumps` writes it (", " and ": ", no other whitespace): llguidance's default
+# allows any run of whitespace between tokens, where a model can loop on newlines until its
+# budget ends (a known failure of grammar-constrained JSON). A schema's own "x-guidance"
+# options still apply over these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile (the server answers 400 naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a request's answer must follow. `source`: the JSON schema as JSON text, the
+    regex, the choices as a JSON list, or the grammar (Lark, or GBNF when it uses `::=`);
+    `param`: the request field it came from (an error names it)."""
+
+    kind: GrammarKind
+    source: str = ""
+    param: str = "response_format"
+
+    def grammar(self) -> str:
+        """llguidance's grammar for it (ValueError where the source is not valid)."""
+        match self.kind:
+            case "json_schema":
+                return str(_from_schema(self.source, defaults=JSON_OPTIONS))
+            case "json_object":
+                return str(_from_schema(_ANY_OBJECT, defaults=JSON_OPTIONS))
+            case "regex":
+                return str(llguidance.LLMatcher.grammar_from_regex(self.source))
+            case "choice":
+                choices = json.loads(self.source)
+                pattern = "|".join(re.escape(c) for c in choices)
+                return str(llguidance.LLMatcher.grammar_from_regex(pattern))
+            case "grammar":
+                # Lark as it is; GBNF (llama.cpp's, vLLM's EBNF) translated to it.
+                lark = llguidance.gbnf_to_lark.any_to_lark(self.source)
+                return str(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+_from_schema: Any = llguidance.LLMatcher.grammar_from_json_schema  # its options: a TypedDict
+
+
+class Grammars:
+    """One model's grammars: its tokenizer for llguidance, and a cache of compiled ones. From
+    any thread (the planner compiles on the event loop's worker threads, the engine thread
+    only advances matchers it was handed)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (cache misses), for metrics and benches
+        self.compile_seconds = 0.0
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll is None:  # ~1 s for a 50K vocabulary: only once a grammar is asked for
+            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
+        return self._ll
+
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for one answer (a copy of the cached compiled grammar)."""
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+                return cached.deep_copy()
+            started = time.perf_counter()
+            try:
+                grammar = spec.grammar()
+            except (ValueError, TypeError) as e:  # a bad schema, regex, choice list or grammar
+                raise GrammarError(f"{spec.param}: {e}", spec.param) from None
+            compiled = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+            if compiled.is_error():
+                raise GrammarError(f"{spec.param}: {compiled.get_error()}", spec.param)
+            self.compiled += 1
+            self.compile_seconds += time.perf_counter() - started
+            self._cache[spec] = compiled
+            if len(self._cache) > MAX_CACHED:
+                self._cache.popitem(last=False)
+            return compiled.deep_copy()
+
+
+def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> Tensor:
+    """Each matcher's tokens allowed next, as a bool mask [len(matchers), vocab] on `device`
+    (the masks filled together, on llguidance's threads)."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)  # [k, ceil(V/32)]
+    if len(matchers) == 1:
+        llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
+    else:
+        llguidance.torch.fill_next_token_bitmask_par(
+            _executor(), [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # [k, V/32, 32]
+    return allowed.flatten(1)[:, :vocab].bool().to(device)  # [k, V]
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def _executor() -> llguidance.LLExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
