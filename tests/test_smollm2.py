@@ -241,3 +241,49 @@ def test_a_responses_conversation_continues_as_the_whole_chat(default_server):
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1
+
+
+def test_a_hundred_sampled_answers_under_a_nested_schema_all_validate(default_server):
+    """Issue 56's goal on the real default model: 100 answers at temperature 1 under a nested
+    JSON schema (objects, an array of objects, enums, required fields), through the chat route
+    as the OpenAI SDK's `parse` sends it, 10 choices a request: every one parses, validates and
+    ends with "stop"."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Line(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        product: str = Field(max_length=24)
+        quantity: int = Field(ge=1, le=20)
+        size: Literal["small", "medium", "large"]
+
+    class Order(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        customer: str = Field(max_length=24)
+        lines: list[Line] = Field(min_length=1, max_length=3)
+        delivery: Literal["pickup", "courier"]
+        gift: bool
+
+    body = {
+        "model": SMOLLM2.name,
+        "messages": [{"role": "user", "content": "Write a coffee shop order as JSON."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "order", "schema": Order.model_json_schema(), "strict": True},
+        },
+        "temperature": 1.0,
+        "max_tokens": 200,
+        "n": 10,
+    }
+    answers = []
+    for seed in range(10):
+        r = httpx.post(f"{default_server}/v1/chat/completions", json={**body, "seed": seed * 10},
+                       timeout=600)  # fmt: skip
+        assert r.status_code == 200, r.text
+        answers += r.json()["choices"]
+    assert len(answers) == 100
+    for choice in answers:
+        assert choice["finish_reason"] == "stop", choice
+        Order.model_validate_json(choice["message"]["content"])
+    assert len({c["message"]["content"] for c in answers}) > 50

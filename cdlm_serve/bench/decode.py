@@ -83,13 +83,18 @@ def time_hf(hf, ids: list[int], new_tokens: int) -> float:
     return n / elapsed
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def decode_args(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    """The options of a decode-speed bench: model, dtype, prompt and answer lengths, runs."""
     parser.add_argument("--model", default=DEFAULT_AR_MODEL)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--runs", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    decode_args(parser, new_tokens=128)
     parser.add_argument(
         "--isa",
         choices=["native", "avx2", "avx512"],
