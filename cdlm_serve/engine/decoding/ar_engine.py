@@ -13,7 +13,6 @@ step budget as every prompt). A prompt's own logprobs are scored as its chunks r
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from torch import Tensor
 from cdlm_serve.engine import heap, limits
 from cdlm_serve.engine.decoding.grammar import GrammarError, Grammars, allowed_tokens
 from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
-from cdlm_serve.engine.decoding.model_runner import ModelRunner
+from cdlm_serve.engine.decoding.model_runner import ModelRunner, last_tokens
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.request import GenerationOptions
 from cdlm_serve.engine.decoding.sampling import (
@@ -247,17 +246,13 @@ class AREngine(ScheduledEngine[ARSequence]):
             assert self.cache is not None  # every running row has one
             seqs, chunks = self._plan()
             hidden = self.runner.extend_tokens(chunks, self.cache)  # [T, hidden]
-            ends = list(itertools.accumulate(len(tokens) for _, tokens in chunks))
-            logits = self.model.logits(hidden[[end - 1 for end in ends]])  # [len(chunks), V]
-            sampling = [  # the rows that draw a token this step
-                seq.prefilled + len(tokens) >= len(seq.prompt)
-                for seq, (_, tokens) in zip(seqs, chunks, strict=True)
-            ]
-            drawn = self._adjusted(seqs, sampling, logits)  # what tokens are drawn from
+            last = last_tokens(chunks)  # where each chunk ends in `hidden`
+            logits = self.model.logits(hidden[last])  # [len(chunks), V]
+            drawn = self._adjusted(seqs, chunks, logits)  # what tokens are drawn from
             for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
                 if seq.prefilled < len(seq.prompt):
                     if seq.params.prompt_logprobs is not None:
-                        self._score_prompt(seq, hidden[ends[i] - len(tokens) : ends[i]])
+                        self._score_prompt(seq, hidden[last[i] + 1 - len(tokens) : last[i] + 1])
                     seq.prefilled += len(tokens)
                     self._keep_prefix(seq, seq.prompt[: seq.prefilled], len(tokens))
                     if seq.prefilled < len(seq.prompt):
@@ -333,12 +328,18 @@ class AREngine(ScheduledEngine[ARSequence]):
         if len(tokens) // pc.block > (len(tokens) - added) // pc.block:
             pc.insert(tokens, cache, seq.row, seq.params.cache_salt)
 
-    def _adjusted(self, seqs: list[ARSequence], sampling: list[bool], logits: Tensor) -> Tensor:
+    def _adjusted(
+        self, seqs: list[ARSequence], chunks: list[tuple[int, list[int]]], logits: Tensor
+    ) -> Tensor:
         """The step's logits [n, V] with the penalties and biases of the rows that ask for
         them, all such rows in one pass, and then the grammar masks of the rows that follow
-        one and draw a token now; the logits themselves when none does (the usual step pays
-        nothing)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.adjusts_logits and sampling[i]]
+        one, of the rows that draw a token this step (a decode step, or a prompt's last
+        chunk); the logits themselves when none does (the usual step pays nothing)."""
+        rows = [
+            i
+            for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True))
+            if seq.params.adjusts_logits and seq.prefilled + len(tokens) >= len(seq.prompt)
+        ]
         if not rows:
             return logits
         adjusted = logits.to(torch.float32, copy=True)  # [n, V]

@@ -79,8 +79,10 @@ _from_schema: Any = llguidance.LLMatcher.grammar_from_json_schema  # its options
 
 class Grammars:
     """One model's grammars: its tokenizer for llguidance, and a cache of compiled ones. From
-    any thread (the planner compiles on the event loop's worker threads, the engine thread
-    only advances matchers it was handed)."""
+    any thread: the planner compiles on the event loop (`Engine.params`, when a choice is
+    planned: the tokenizer's first build, ~0.4 s for SmolLM2 once per model, and each new
+    grammar's compile, ~1 ms for a nested schema, hold the loop that long), the engine thread
+    only advances the matchers it was handed."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self._tokenizer = tokenizer

@@ -48,7 +48,7 @@ class ModelRunner:
     def extend(self, chunks: Chunks, cache: KVCache) -> Tensor:
         """Append new tokens to rows of `cache` and commit them. Returns the final hidden
         state of each chunk's last token [len(chunks), hidden] (see `extend_tokens`)."""
-        return self.extend_tokens(chunks, cache)[_last_tokens(chunks)]
+        return self.extend_tokens(chunks, cache)[last_tokens(chunks)]
 
     def extend_tokens(self, chunks: Chunks, cache: KVCache) -> Tensor:
         """Append new tokens to rows of `cache` and commit them: the AR engine's one call a
@@ -86,7 +86,7 @@ class ModelRunner:
 
     def fused_step(self, stack: Any, chunks: Chunks, cache: KVCache) -> Tensor:
         """`extend` through the fused step: each chunk's last token [len(chunks), hidden]."""
-        return self.fused_step_tokens(stack, chunks, cache)[_last_tokens(chunks)]
+        return self.fused_step_tokens(stack, chunks, cache)[last_tokens(chunks)]
 
     def fused_step_tokens(self, stack: Any, chunks: Chunks, cache: KVCache) -> Tensor:
         """`extend_tokens` through the fused step: decode rows and prompts share one call, so
@@ -193,7 +193,7 @@ class ModelRunner:
         return self.model.device
 
 
-def _last_tokens(chunks: Chunks) -> list[int]:
+def last_tokens(chunks: Chunks) -> list[int]:
     """Where each chunk's last token is among all the chunks' tokens, in order."""
     ends, total = [], 0
     for _, tokens in chunks:
