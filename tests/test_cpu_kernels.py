@@ -4,9 +4,11 @@ build this CPU runs (AVX2 everywhere in CI, AVX512-BF16 and AMX where the CPU ha
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 import tiny_models
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
@@ -552,3 +554,26 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(kind, amx):
     alone = torch.cat([product(x[i : i + 1].contiguous()) for i in range(11)])
     for m in range(2, 12):
         assert torch.equal(product(x[:m].contiguous()), alone[:m]), m
+
+
+def test_a_build_killed_while_it_held_torchs_lock_does_not_stop_the_next_start(isa):
+    """torch's build lock is a file only its builder removes: a server SIGKILLed while it
+    compiled the kernels left it, and every later start waited on it forever."""
+    import subprocess
+    import sys
+
+    files, _ = kernels.BUILDS[isa]
+    source = str(kernels._HERE / files[0])
+    root = Path(get_default_build_root())
+    folders = [
+        f for f in root.glob(f"*/cdlm_cpu_{isa}_*") if source in (f / "build.ninja").read_text()
+    ]
+    assert folders, f"no build of this checkout's {isa} kernels under {root}"
+    for folder in folders:
+        (folder / "lock").touch()  # what a builder killed mid-build leaves
+    build = (
+        "from cdlm_serve.models import kernels; "
+        f"kernels.build_extension('cdlm_cpu_{isa}', isa='{isa}')"
+    )
+    done = subprocess.run([sys.executable, "-c", build], timeout=240, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,29 +117,51 @@ def build_extension(
     compiler have it. bench.kernel_ab builds another checkout's kernels through it, under
     another name and with `DecodeStack` renamed (`defines`), so that both load in one
     process."""
-    from torch.utils.cpp_extension import load
-
     files, isa_flags = BUILDS[isa]
     sources = sources or [str(_HERE / f) for f in files]
     flags = ["-O3", *isa_flags, "-fopenmp", *(f"-D{d}" for d in defines)]
     amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if isa == "avx512" else []
     try:
-        return load(
-            name=name,
-            sources=sources,
-            extra_cflags=flags + amx,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return _load(name, sources, flags + amx)
     except Exception as e:
         if not amx:
             raise
         log.warning("building the CPU kernels without AMX: %s", e)  # a compiler without it
+        return _load(name + "_noamx", sources, flags)
+
+
+def build_folder(name: str, sources: list[str], cflags: list[str]) -> Path:
+    """Where `_load` builds `name` from `sources` (per Python, torch and checkout)."""
+    import hashlib
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    where = hashlib.sha256("\0".join([*sources, *cflags]).encode()).hexdigest()[:12]
+    abi = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}"
+    return Path(get_default_build_root()) / abi / f"{name}_{where}"
+
+
+def _load(name: str, sources: list[str], cflags: list[str]) -> Any:
+    """torch's `load`, in a build folder of this checkout's own, under a lock the system drops
+    when its holder dies. torch's own lock is a file that only its builder removes: a server
+    killed while it compiled (a SIGKILL, an OOM) left every later start waiting on it forever.
+    Holding ours, any lock file of torch's there is such a leftover, and goes. The folder is
+    per checkout (its sources' paths): two checkouts sharing one rebuilt it for each other."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    folder = build_folder(name, sources, cflags)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        (folder / "lock").unlink(missing_ok=True)
         return load(
-            name=name + "_noamx",
+            name=name,
             sources=sources,
-            extra_cflags=flags,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
             verbose=False,
         )
 
