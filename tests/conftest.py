@@ -194,13 +194,15 @@ def default_server(smollm2_dir) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_ar_and_dlm_server(tiny_llama_dir, tmp_path_factory) -> Iterator[str]:
-    """The tiny AR model `tiny` and a tiny Dream model `dream` on one server (fp32, CPU): the
-    request options of one kind of model that the other must refuse."""
-    dream = tmp_path_factory.mktemp("dream")
+def tiny_ar_and_dlm_server(tmp_path_factory) -> Iterator[str]:
+    """The tiny AR model `tiny` (with a 4K context: a prompt that shows tools is ~1K byte
+    tokens) and a tiny Dream model `dream` on one server (fp32, CPU): the request options of
+    one kind of model that the other must refuse."""
+    llama, dream = tmp_path_factory.mktemp("tiny-llama-4k"), tmp_path_factory.mktemp("dream")
+    tiny_models.hf_tiny("llama", llama, max_position_embeddings=4096)
     tiny_models.dream_tiny(dream)
     with running_server(
-        "--model", f"tiny={tiny_llama_dir}", "--model", f"dream={dream}",
+        "--model", f"tiny={llama}", "--model", f"dream={dream}",
         "--device", "cpu", "--dtype", "float32",
     ) as base:  # fmt: skip
         yield base

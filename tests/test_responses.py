@@ -193,7 +193,12 @@ def test_a_conversation_given_as_input_is_compacted_into_a_response(client, base
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+            400,
+            "tools",
+        ),
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text"),
         ({"input": "x", "background": True}, 400, "background"),
         ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),

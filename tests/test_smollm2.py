@@ -287,3 +287,51 @@ def test_a_hundred_sampled_answers_under_a_nested_schema_all_validate(default_se
         assert choice["finish_reason"] == "stop", choice
         Order.model_validate_json(choice["message"]["content"])
     assert len({c["message"]["content"] for c in answers}) > 50
+
+
+def test_a_tool_round_trip_on_responses_continues_as_the_whole_chat(default_server):
+    """Issue 56's round trip on the real model and template (no tools of its own: the
+    system-prompt form): a forced call to the named function, its result, the final answer.
+    The Responses turn fed only the result after the stored call answers as a chat completion
+    of the whole conversation (the call rendered back from `tool_calls`, the result from a
+    `tool` message), from as many prompt tokens. (What it answers is the 135M model's: it
+    was not trained on tools, and mostly repeats the result it was given.)"""
+    import json
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused")
+    greedy = {"model": SMOLLM2.name, "temperature": 0}
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    about = "The current temperature in a city, in degrees Celsius"
+    function = {"name": "get_temperature", "description": about, "parameters": parameters}
+    chat_tool, response_tool = {"type": "function", "function": function}, {
+        "type": "function", **function}  # fmt: skip
+    question = "What is the temperature in Paris right now?"
+    first = client.responses.create(
+        input=question, tools=[response_tool], max_output_tokens=64,
+        tool_choice={"type": "function", "name": "get_temperature"}, **greedy,
+    )  # fmt: skip
+    (call,) = first.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] == "Paris"
+    result = json.dumps({"city": "Paris", "temperature": 17})
+    second = client.responses.create(
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}],
+        previous_response_id=first.id, tools=[response_tool], max_output_tokens=40, **greedy,
+    )  # fmt: skip
+    whole = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": result},
+    ]  # fmt: skip
+    chat = client.chat.completions.create(
+        messages=whole, tools=[chat_tool], max_tokens=40, **greedy
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens

@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, then the same
-engines and choice handling as completions, in the chat response shapes."""
+"""POST /v1/chat/completions: messages (and tools, `server/tool_calls.py`) through the
+tokenizer's chat template, then the same engines and choice handling as completions, in the
+chat response shapes; an answer's tool calls read out of its text (`server/tool_parser.py`),
+whole or as it streams."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from cdlm_serve.server.planning import (
     Choice,
     UsageCount,
     checked_prompt,
+    forcing,
     gather,
     generation_options,
     new_id,
@@ -24,19 +27,30 @@ from cdlm_serve.server.planning import (
 )
 from cdlm_serve.server.schemas import ChatCompletionRequest
 from cdlm_serve.server.streaming import StreamHead, StreamKind
+from cdlm_serve.server.tool_calls import ToolUse, call_id, chat_tools, tool_use
+from cdlm_serve.server.tool_format import render, renders_tools
+from cdlm_serve.server.tool_parser import ParsedCall, Piece, ToolCallParser, parse
 
 
-def render_prompt(served: ServedModel, req: ChatCompletionRequest) -> str:
+def tools_of(served: ServedModel, req: ChatCompletionRequest) -> ToolUse | None:
+    """The request's tools, read (and checked) once per use; None without tools."""
+    return tool_use(served, chat_tools(req.tools), req.tool_choice, req.parallel_tool_calls)
+
+
+def render_prompt(served: ServedModel, req: ChatCompletionRequest, tools: ToolUse | None) -> str:
     if not served.chat_template:
         raise APIError(
             400,
             f"model {served.name!r} has no chat template; use /v1/completions",
             param="messages",
         )
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    offered = tools.offered if tools is not None else []
+    messages, tools_arg = render(
+        [m.rendered() for m in req.messages], offered, renders_tools(served.chat_template)
+    )
     try:
         prompt: str = served.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tools_arg, add_generation_prompt=True, tokenize=False
         )
         return prompt
     except Exception as e:  # a template that rejects the conversation (roles, order, ...)
@@ -52,11 +66,13 @@ def plan_chat(served: ServedModel, req: ChatCompletionRequest) -> list[Choice]:
         served,
         options,
         {
-            "tools": bool(req.tools),
+            "tools": served.is_diffusion and bool(req.tools),
             "logprobs": served.is_diffusion and req.logprobs,
         },
     )
-    text = render_prompt(served, req)
+    tools = tools_of(served, req)
+    options = forcing(options, tools.grammar() if tools is not None else None)
+    text = render_prompt(served, req, tools)
     # Taken as rendered: a chat template writes the BOS itself where its model wants one.
     ids = checked_prompt(served, text, "messages", start=False)
     return plan_choices(served, options, [(ids, text)])
@@ -77,18 +93,51 @@ def _content_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> list[dict
     ]
 
 
+def _wire_calls(calls: list[ParsedCall], first: int = 0) -> list[dict[str, Any]]:
+    """Calls as chat's `tool_calls` (a stream's delta gives each its `index`)."""
+    return [
+        {
+            "index": first + k,
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for k, c in enumerate(calls)
+    ]
+
+
+def _message(text: str, tools: ToolUse | None) -> dict[str, Any]:
+    parser = tools.parser() if tools is not None else None
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    content, calls = parse(parser.fmt, parser.names, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {k: v for k, v in c.items() if k != "index"} for c in _wire_calls(calls)
+        ]
+    return message
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """An answer that ended on its own after calling tools ends `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def complete(
     served: ServedModel,
     req: ChatCompletionRequest,
     choices: list[Choice],
     metrics: Metrics | None = None,
 ) -> dict[str, Any]:
+    tools = tools_of(served, req)
     logprobs: list[list[dict[str, Any]]] = [[] for _ in choices]
 
     def add_logprobs(i: int, out: EngineOutput) -> None:
         logprobs[i] += _content_logprobs(served.tokenizer, out.logprobs)
 
     answer = await gather(served, choices, req.n, metrics, add_logprobs)
+    messages = [_message(text, tools) for text in answer.texts]
     return {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -97,9 +146,9 @@ async def complete(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": answer.texts[i]},
+                "message": messages[i],
                 "logprobs": {"content": logprobs[i]} if req.logprobs else None,
-                "finish_reason": answer.finish[i],
+                "finish_reason": _finish(answer.finish[i], "tool_calls" in messages[i]),
             }
             for i, c in enumerate(choices)
         ],
@@ -124,14 +173,34 @@ async def _chunks(
         choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
         return head.chunk(choice)
 
+    tools = tools_of(served, req)
+    parsers = [tools.parser() if tools is not None else None for _ in choices]
+    called = [0] * len(choices)  # calls sent per choice (each call's index)
     for c in choices:  # the role comes first, as OpenAI sends it
         yield chunk(c.index, {"role": "assistant", "content": ""}, None, [])
     async for i, out in run_choices(served, choices):
         tally.add(out, i)
         lps = _content_logprobs(served.tokenizer, out.logprobs)
-        if out.text or out.finish_reason or lps:
-            delta = {"content": out.text} if out.text else {}
-            yield chunk(choices[i].index, delta, out.finish_reason, lps)
+        deltas: list[dict[str, Any]] = []
+        for piece in _pieces(parsers[i], out):
+            if isinstance(piece, str):
+                deltas.append({"content": piece})
+            else:
+                deltas.append({"tool_calls": _wire_calls([piece], called[i])})
+                called[i] += 1
+        if not deltas and (out.finish_reason or lps):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            finish = _finish(out.finish_reason, called[i] > 0) if last else None
+            yield chunk(choices[i].index, delta, finish, lps if k == 0 else [])
+
+
+def _pieces(parser: ToolCallParser | None, out: EngineOutput) -> list[Piece]:
+    """An output's text as the stream sends it: as it is, or its content and calls."""
+    if parser is None:
+        return [out.text] if out.text else []
+    return parser.feed(out.text) + (parser.finish() if out.finish_reason else [])
 
 
 STREAM = StreamKind("chat.completion.chunk", "chatcmpl", _chunks)  # for server.streaming.stream

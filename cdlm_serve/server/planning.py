@@ -21,6 +21,7 @@ from cdlm_serve.engine.decoding import (
     EngineOutput,
     GenerationOptions,
     GenerationParams,
+    GrammarSpec,
 )
 from cdlm_serve.engine.engine_thread import QueueFull
 from cdlm_serve.engine.served_model import ServedModel
@@ -111,7 +112,7 @@ def reject_unsupported(
             options.grammar.param if name == "grammar" and options.grammar else name
             for name in options.autoregressive_options()
         ]
-        autoregressive_only = ["logprobs", *named]
+        autoregressive_only = ["logprobs", "tools", *named]
         unsupported |= dict.fromkeys(named, True)
     else:
         unsupported |= dict.fromkeys(options.diffusion_options(), True)
@@ -170,8 +171,22 @@ def request_prompts(
     return out
 
 
-def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]:
-    options = generation_options(req, req.max_tokens, req.logprobs)
+def forcing(options: GenerationOptions, grammar: GrammarSpec | None) -> GenerationOptions:
+    """The options with a call forced by `tool_choice` (its grammar), which no structured
+    output may also shape."""
+    if grammar is None:
+        return options
+    if options.grammar is not None:
+        message = f"a forced tool_choice cannot go with {options.grammar.param}"
+        raise APIError(400, message, param=grammar.param)
+    return replace(options, grammar=grammar)
+
+
+def plan_completion(
+    served: ServedModel, req: CompletionRequest, forced: GrammarSpec | None = None
+) -> list[Choice]:
+    """`forced`: the grammar of a call `tool_choice` forces (the Responses API's)."""
+    options = forcing(generation_options(req, req.max_tokens, req.logprobs), forced)
     if req.echo and req.logprobs is not None:  # the echoed prompt's own, as it is prefilled
         options = replace(options, prompt_logprobs=req.logprobs)
     reject_unsupported(
@@ -186,10 +201,15 @@ def plan_completion(served: ServedModel, req: CompletionRequest) -> list[Choice]
     return plan_choices(served, options, request_prompts(served, req.prompt))
 
 
-def plan_session(served: ServedModel, req: CompletionRequest, session: Session) -> list[Choice]:
+def plan_session(
+    served: ServedModel,
+    req: CompletionRequest,
+    session: Session,
+    forced: GrammarSpec | None = None,
+) -> list[Choice]:
     """One choice continuing from a session: the session's next input token (sampled last time,
     never run through the model) comes first."""
-    options = generation_options(req, req.max_tokens, req.logprobs)
+    options = forcing(generation_options(req, req.max_tokens, req.logprobs), forced)
     reject_unsupported(
         served,
         options,

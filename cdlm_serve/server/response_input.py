@@ -11,12 +11,13 @@ response's cache). Only text is taken: other content and item types answer a cle
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.planning import checked_prompt
+from cdlm_serve.server.tool_format import FunctionTool, render, renders_tools, tools_prompt
 
 # Message roles as the chat template knows them (OpenAI's "developer" is a system message).
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -26,28 +27,38 @@ MAX_ITEMS = 1024  # input items per request (the body's size bounds them too)
 
 @dataclass(slots=True)
 class Turn:
-    """A request's new messages and instructions, and the stored response a compaction item in
-    its input names (OpenAI's compacted state: the item `POST /v1/responses/compact`
-    returned)."""
+    """A request's new messages (chat's form: an assistant's `tool_calls`, `role: "tool"`
+    results), instructions and the tools its prompt shows, and the stored response a
+    compaction item in its input names (OpenAI's compacted state: the item `POST
+    /v1/responses/compact` returned)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     instructions: str | None = None
     compacted: str | None = None
+    tools: list[FunctionTool] = field(default_factory=list)
 
-    def first(self) -> list[dict[str, str]]:
+    def first(self) -> list[dict[str, Any]]:
         """A new conversation's messages: the instructions first, as a system message."""
         if self.instructions is None:
             return list(self.messages)
         return [{"role": "system", "content": self.instructions}, *self.messages]
 
-    def after(self, stored_instructions: str | None) -> list[dict[str, str]]:
-        """A continuation's new messages. The stored conversation's instructions are in its
-        cache already: the same instructions again (OpenAI's clients send them with every
+    def after(
+        self, stored_instructions: str | None, stored_tools: list[FunctionTool]
+    ) -> list[dict[str, Any]]:
+        """A continuation's new messages. The stored conversation's instructions and tools
+        are in its cache already: the same again (OpenAI's clients send them with every
         turn, as OpenAI does not carry them over) are not repeated; other ones come as a
-        system message before the new messages."""
-        if self.instructions is None or self.instructions == stored_instructions:
+        system message before the new messages (new tools in the system-prompt form,
+        `tool_format.tools_prompt`, wherever the template would have put its own)."""
+        system = []
+        if self.instructions is not None and self.instructions != stored_instructions:
+            system.append(self.instructions)
+        if self.tools and self.tools != stored_tools:
+            system.append(tools_prompt(self.tools))
+        if not system:
             return list(self.messages)
-        return [{"role": "system", "content": self.instructions}, *self.messages]
+        return [{"role": "system", "content": "\n\n".join(system)}, *self.messages]
 
 
 def _refuse(message: str) -> APIError:
@@ -92,8 +103,17 @@ def parse_input(input_: str | list[Any] | None, instructions: str | None) -> Tur
                 raise _refuse(f"{where}: a compaction item comes first, with its encrypted_content")
             turn.compacted = content
             continue
+        if kind == "function_call":
+            _add_call(turn.messages, _function_call(item, where))
+            continue
+        if kind == "function_call_output":
+            turn.messages.append(_call_output(item, where))
+            continue
         if kind != "message":
-            raise _refuse(f"{where}: input items of type {kind!r} are not supported (text only)")
+            raise _refuse(
+                f"{where}: input items of type {kind!r} are not supported (messages, "
+                "function_call, function_call_output)"
+            )
         role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
         if role is None:
             raise _refuse(f"{where}.role must be one of {', '.join(ROLES)}")
@@ -101,12 +121,47 @@ def parse_input(input_: str | list[Any] | None, instructions: str | None) -> Tur
     return turn
 
 
-def _render(served: ServedModel, messages: list[dict[str, str]]) -> str:
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise _refuse(f"{where}.{key} must be a string")
+    return value
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A call the model made earlier (the client sends the conversation back), in chat's
+    form."""
+    name, arguments = _string(item, "name", where), _string(item, "arguments", where)
+    call_id = _string(item, "call_id", where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
+    """One call into the assistant's message it belongs to: the message just before it (its
+    text, its other calls), or a new one."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A call's result, as chat's `role: "tool"` message."""
+    output = item.get("output")
+    text = output if isinstance(output, str) else _text(output, where)
+    return {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
+
+
+def _render(
+    served: ServedModel, messages: list[dict[str, Any]], tools: list[FunctionTool] | None = None
+) -> str:
     if not served.chat_template:
         raise APIError(400, f"model {served.name!r} has no chat template", param="model")
+    messages, tools_arg = render(messages, tools or [], renders_tools(served.chat_template))
     try:
         text: str = served.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tools_arg, add_generation_prompt=True, tokenize=False
         )
         return text
     except Exception as e:  # a template that rejects the conversation (roles, order, ...)
@@ -117,11 +172,16 @@ def first_prompt(served: ServedModel, turn: Turn) -> list[int]:
     """The prompt of a new conversation."""
     if not turn.messages:
         raise _refuse("input is empty")
-    return checked_prompt(served, _render(served, turn.first()), "input", start=False)
+    text = _render(served, turn.first(), turn.tools)
+    return checked_prompt(served, text, "input", start=False)
 
 
 def continuation_ids(
-    served: ServedModel, turn: Turn, next_input: int | None, stored_instructions: str | None
+    served: ServedModel,
+    turn: Turn,
+    next_input: int | None,
+    stored_instructions: str | None,
+    stored_tools: list[FunctionTool],
 ) -> list[int]:
     """What follows a stored answer: the template renders a conversation whose assistant
     answer ends in a unique marker, followed by the new messages; what comes after the marker
@@ -134,7 +194,7 @@ def continuation_ids(
         raise _refuse("input is empty: a continuation needs at least one message")
     marker = f"<<{uuid.uuid4().hex}>>"
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
-    text = _render(served, probe + turn.after(stored_instructions))
+    text = _render(served, probe + turn.after(stored_instructions, stored_tools))
     _, found, after = text.partition(marker)
     if not found or marker in after:
         raise APIError(
@@ -152,12 +212,13 @@ def prompt_text(served: ServedModel, turn: Turn) -> list[int]:
     """A whole conversation given as input, ending in an assistant's answer, as a stored
     response holds it: up to the end of that answer's text (where `continuation_ids` goes
     on)."""
-    if not turn.messages or turn.messages[-1]["role"] != "assistant":
-        raise _refuse("the conversation to compact must end with an assistant message")
+    last = turn.messages[-1] if turn.messages else None
+    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
+        raise _refuse("the conversation to compact must end with an assistant's text")
     marker = f"<<{uuid.uuid4().hex}>>"
     messages = turn.first()
     last = {**messages[-1], "content": messages[-1]["content"] + marker}
-    before, found, _ = _render(served, [*messages[:-1], last]).partition(marker)
+    before, found, _ = _render(served, [*messages[:-1], last], turn.tools).partition(marker)
     if not found:
         raise _refuse(f"the chat template of {served.name!r} drops the assistant's answer")
     # Stored whole as the new session's cache: it must leave the context room to go on.
@@ -171,13 +232,18 @@ INPUT_ITEMS = "input_items"
 
 def input_items(input_: str | list[Any] | None) -> list[dict[str, Any]]:
     """A request's input (already checked by `parse_input`) as OpenAI lists it: message items
-    with an id, a status and typed text parts; a compaction item as given, with an id."""
+    with an id, a status and typed text parts; compaction, function call and call output
+    items as given, with an id (and a status)."""
     if isinstance(input_, str):
         input_ = [{"type": "message", "role": "user", "content": input_}]
     out: list[dict[str, Any]] = []
     for item in input_ or []:
-        if item.get("type", "message") == "compaction":
+        kind = item.get("type", "message")
+        if kind == "compaction":
             out.append({"id": _item_id(), "type": "compaction", **item})
+            continue
+        if kind in ("function_call", "function_call_output"):
+            out.append({"id": _item_id(), "status": "completed", **item})
             continue
         kind = "output_text" if item.get("role") == "assistant" else "input_text"
         content = item.get("content")

@@ -37,9 +37,13 @@ class ResponseCreateRequest(BaseModel):
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Accepted in their neutral values only (`unsupported`).
+    # Function tools (server/tool_calls.py checks them): {"type": "function", "name",
+    # "description", "parameters"}; tool_choice "none", "auto", "required" or
+    # {"type": "function", "name": ...}.
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted in their neutral values only (`unsupported`).
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
@@ -48,7 +52,6 @@ class ResponseCreateRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     prompt: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     # Extensions, as on the other routes.
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
@@ -83,12 +86,10 @@ class ResponseCreateRequest(BaseModel):
         return dict(fmt)
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server does not do (text in, text out, no
-        tools, nothing in the background), or None."""
+        """The first field set to something this server does not do (text in, text and
+        function calls out, nothing in the background), or None."""
         fmt = (self.text or {}).get("format") or {"type": "text"}
         used = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "text": not isinstance(fmt, dict)
             or fmt.get("type") not in ("text", "json_object", "json_schema"),
             "reasoning": any(v is not None for v in (self.reasoning or {}).values()),

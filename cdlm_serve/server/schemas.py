@@ -178,11 +178,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = STRICT
+    name: str = Field(max_length=64)
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant's earlier message made (sent back with the conversation)."""
+
+    model_config = STRICT
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -190,6 +207,17 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as chat templates (and `server.tool_format.render`) take it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -200,7 +228,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Function tools (server/tool_calls.py checks them): chat's form, {"type": "function",
+    # "function": {"name", "description", "parameters"}}.
     tools: list[dict[str, Any]] | None = None
+    # "none", "auto", "required", or {"type": "function", "function": {"name": ...}}.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class PromptTokensDetails(BaseModel):

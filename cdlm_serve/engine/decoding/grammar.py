@@ -27,7 +27,7 @@ import llguidance.torch
 import torch
 from torch import Tensor
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
 MAX_CACHED = 256  # compiled grammars a model keeps (each a few KB to a few MB)
 _ANY_OBJECT = '{"type": "object"}'
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace): llguidance's default
@@ -48,8 +48,9 @@ class GrammarError(ValueError):
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a request's answer must follow. `source`: the JSON schema as JSON text, the
-    regex, the choices as a JSON list, or the grammar (Lark, or GBNF when it uses `::=`);
-    `param`: the request field it came from (an error names it)."""
+    regex, the choices as a JSON list, or the grammar (Lark, or GBNF when it uses `::=`; for
+    "lark", the server's own grammars of tool calls, Lark only); `param`: the request field
+    it came from (an error names it)."""
 
     kind: GrammarKind
     source: str = ""
@@ -72,6 +73,8 @@ class GrammarSpec:
                 # Lark as it is; GBNF (llama.cpp's, vLLM's EBNF) translated to it.
                 lark = llguidance.gbnf_to_lark.any_to_lark(self.source)
                 return str(llguidance.LLMatcher.grammar_from_lark(lark))
+            case "lark":  # ours (tool calls): Lark as it is, never read as GBNF
+                return str(llguidance.LLMatcher.grammar_from_lark(self.source))
 
 
 _from_schema: Any = llguidance.LLMatcher.grammar_from_json_schema  # its options: a TypedDict

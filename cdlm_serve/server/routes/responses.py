@@ -51,6 +51,7 @@ from cdlm_serve.server.response_input import (
     parse_input,
     prompt_text,
 )
+from cdlm_serve.server.response_output import Added, Output, text_part
 from cdlm_serve.server.response_schemas import ResponseCompactRequest, ResponseCreateRequest
 from cdlm_serve.server.routes.sessions import auto_compact_policy, using
 from cdlm_serve.server.schemas import (
@@ -69,6 +70,8 @@ from cdlm_serve.server.session_access import (
     unstoppable,
 )
 from cdlm_serve.server.state import ServerState, State
+from cdlm_serve.server.tool_calls import ToolUse, response_tools, tool_use
+from cdlm_serve.server.tool_format import FunctionTool
 
 router = APIRouter()
 DEFAULT_COMPACT_RATIO = 2.0  # what /v1/responses/compact does without ratio or target_tokens
@@ -111,6 +114,11 @@ def _instructions(stored: Session) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _tools(stored: Session) -> list[FunctionTool]:
+    """The tools a stored response's conversation showed its model (in its cache)."""
+    return response_tools((stored.response or {}).get("tools"))
+
+
 def _previous(given: str | None, turn: Turn) -> str | None:
     """The response to continue: `previous_response_id`, or the compaction item in the
     input (the two must agree)."""
@@ -137,14 +145,9 @@ class Answer:
     history: int = 0  # tokens of the conversation already in the cache
     choices: list[Choice] = field(default_factory=list)
     tally: UsageCount = field(default_factory=UsageCount)
-    parts: list[str] = field(default_factory=list)
+    output: Output = field(default_factory=lambda: Output(None))  # its message and calls
     finish: str | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
-    item_id: str = field(default_factory=lambda: _new_id("msg"))
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
 
     @property
     def status(self) -> str:
@@ -160,18 +163,6 @@ class Answer:
             "output_tokens": out,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.history + fed + out,
-        }
-
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def item(self, done: bool) -> dict[str, Any]:
-        return {
-            "id": self.item_id,
-            "type": "message",
-            "status": self.status if done else "in_progress",
-            "role": "assistant",
-            "content": [self.part(self.text)] if done else [],
         }
 
     def body(self, done: bool) -> dict[str, Any]:
@@ -191,15 +182,15 @@ class Answer:
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
             "model": self.model,
-            "output": [self.item(True)] if done else [],
-            "parallel_tool_calls": False,
+            "output": self.output.bodies(self.status) if done else [],
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": self.previous,
             "reasoning": {"effort": None, "summary": None},
             "store": req.store,
             "temperature": req.temperature,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
             "top_p": req.top_p,
             "truncation": "disabled",
             "usage": self.usage() if done else None,
@@ -219,13 +210,15 @@ async def create_response(req: ResponseCreateRequest, request: Request, state: S
     unsupported = req.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server", param=unsupported)
+    tools = tool_use(served, response_tools(req.tools), req.tool_choice, req.parallel_tool_calls)
     turn = parse_input(req.input, req.instructions)
+    turn.tools = tools.offered if tools is not None else []
     previous = _previous(req.previous_response_id, turn)
     if previous is not None and req.auto_compact is not None:
         raise APIError(
             400, "auto_compact is set by a conversation's first response", param="auto_compact"
         )
-    events = _respond(state, served, req, turn, previous, request)
+    events = _respond(state, served, req, turn, previous, request, tools)
     return await streaming.answer_when_admitted(events, req.stream)
 
 
@@ -255,6 +248,7 @@ async def _respond(
     turn: Turn,
     previous: str | None,
     request: Request,
+    tools: ToolUse | None,
 ) -> AsyncGenerator[Any, None]:
     """Yields None once admitted (sessions found and locked, the turn planned), then the
     response body or its stream's events."""
@@ -263,13 +257,15 @@ async def _respond(
     if instructions is None and parent is not None:
         instructions = _instructions(parent)
     answer = Answer(_new_id("resp"), req, served.name, previous, instructions)
+    answer.output = Output(tools.parser() if tools is not None else None)
+    forced = tools.grammar() if tools is not None else None
     if parent is not None and parent.model != served.name:
         raise APIError(
             400, f"response {previous!r} belongs to model {parent.model!r}", param="model"
         )
     if not req.store and parent is None:  # a stateless chat: no session at all
         answer.choices = planning.plan_completion(
-            served, _completion(req, first_prompt(served, turn), False)
+            served, _completion(req, first_prompt(served, turn), False), forced
         )
         yield None
         async for out in _answer(state, served, answer, request, None):
@@ -291,10 +287,12 @@ async def _respond(
             ids = (
                 first_prompt(served, turn)
                 if parent is None
-                else continuation_ids(served, turn, session.next_input, _instructions(parent))
+                else continuation_ids(
+                    served, turn, session.next_input, _instructions(parent), _tools(parent)
+                )
             )
             creq = _completion(req, ids, req.store)
-            answer.choices = planning.plan_session(served, creq, session)
+            answer.choices = planning.plan_session(served, creq, session, forced)
             if req.store:
                 grows = len(answer.choices[0].prompt_ids) + answer.choices[0].params.max_tokens
                 try:
@@ -361,16 +359,18 @@ async def _generate(state: ServerState, served: ServedModel, answer: Answer) -> 
         del out
 
 
-async def _outputs(state: ServerState, served: ServedModel, answer: Answer) -> AsyncIterator[str]:
-    """The answer's text pieces as the engine produces them, counted into the answer; usage
-    is recorded however it ends (a cancelled request counts as an abort)."""
+async def _outputs(
+    state: ServerState, served: ServedModel, answer: Answer
+) -> AsyncIterator[list[Added]]:
+    """What each engine output added to the answer's items (text, calls), as the engine
+    produces them, counted into the answer; usage is recorded however it ends (a cancelled
+    request counts as an abort)."""
     started = time.perf_counter()
     try:
         async for _, out in run_choices(served, answer.choices):
             answer.tally.add(out, 0)
-            answer.parts.append(out.text)
             answer.finish = out.finish_reason or answer.finish
-            yield out.text
+            yield answer.output.take(out.text, out.finish_reason is not None)
     finally:
         body = usage(served, answer.choices, 1, answer.tally)
         record(state.metrics, served, body, answer.tally, started, 1)
@@ -414,23 +414,54 @@ async def _events(
     state: ServerState, served: ServedModel, answer: Answer, session: Session | None
 ) -> AsyncIterator[str]:
     event = Events()
-    where = {"item_id": answer.item_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=answer.body(False))
     yield event("response.in_progress", response=answer.body(False))
-    yield event("response.output_item.added", output_index=0, item=answer.item(False))
-    yield event("response.content_part.added", **where, part=answer.part(""))
+    for index, item in enumerate(answer.output.items):  # the message of a text-only answer
+        for e in _item_events(event, Added(index, item, True)):
+            yield e
     try:
-        async for text in _outputs(state, served, answer):
-            if text:
-                yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        async for added in _outputs(state, served, answer):
+            for piece in added:
+                for e in _item_events(event, piece):
+                    yield e
         await _commit(state, answer, session)
     except APIError as e:
         yield event.error(e)
         return
-    yield event("response.output_text.done", **where, text=answer.text, logprobs=[])
-    yield event("response.content_part.done", **where, part=answer.part(answer.text))
-    yield event("response.output_item.done", output_index=0, item=answer.item(True))
+    message = answer.output.message
+    if message is not None:
+        at = answer.output.items.index(message)
+        where = {"item_id": message.id, "output_index": at, "content_index": 0}
+        yield event("response.output_text.done", **where, text=message.text, logprobs=[])
+        yield event("response.content_part.done", **where, part=text_part(message.text))
+        body = message.body(answer.status)
+        yield event("response.output_item.done", output_index=at, item=body)
     yield event(f"response.{answer.status}", response=answer.body(True))
+
+
+def _item_events(event: Events, added: Added) -> list[str]:
+    """The stream's events for what one piece of the answer added: a new message (its item
+    and its first content part), text in it, or a whole function call (its arguments in one
+    delta)."""
+    item, index = added.item, added.index
+    out = []
+    if added.new:
+        out.append(
+            event("response.output_item.added", output_index=index, item=item.body("in_progress"))
+        )
+    if item.call is None:
+        where = {"item_id": item.id, "output_index": index, "content_index": 0}
+        if added.new:
+            out.append(event("response.content_part.added", **where, part=text_part("")))
+        if added.text:
+            out.append(event("response.output_text.delta", **where, delta=added.text, logprobs=[]))
+        return out
+    where = {"item_id": item.id, "output_index": index}
+    arguments = item.call.arguments
+    out.append(event("response.function_call_arguments.delta", **where, delta=arguments))
+    out.append(event("response.function_call_arguments.done", **where, arguments=arguments))
+    out.append(event("response.output_item.done", output_index=index, item=item.body("completed")))
+    return out
 
 
 # ---- GET / DELETE /v1/responses/{id} ---------------------------------------------------------
