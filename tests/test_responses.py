@@ -371,7 +371,7 @@ def test_a_new_turn_is_the_real_template_s_rest_of_the_conversation(smollm2_dir,
     else:
         cached, next_input = prompt + answer_ids[:-1], answer_ids[-1]
     new = [{"role": "user", "content": "And of Spain?"}]
-    fed = [next_input, *continuation_ids(served, Turn(new), next_input, None)]
+    fed = [next_input, *continuation_ids(served, Turn(new), next_input, None, [])]
     whole = [*first, {"role": "assistant", "content": answer}, *new]
     text = tok.apply_chat_template(whole, add_generation_prompt=True, tokenize=False)
     assert cached + fed == tok.encode(text, add_special_tokens=False)
@@ -428,7 +428,7 @@ def test_a_cut_answer_s_last_token_is_kept_even_where_it_looks_like_the_turn_s_e
         eos_token_ids=frozenset({EOS_ID}),
     )
     turn = Turn([{"role": "user", "content": "Q"}])
-    assert continuation_ids(served, turn, ord("\n"), None) == list(b"\n<user>Q\n<assistant>")
+    assert continuation_ids(served, turn, ord("\n"), None, []) == list(b"\n<user>Q\n<assistant>")
 
 
 def test_a_responses_input_items_are_listed_as_the_sdk_reads_them(client, base, store):

@@ -89,6 +89,21 @@ def test_a_stream_cut_anywhere_reads_as_the_whole_answer():
     ]
 
 
+def test_without_parallel_calls_a_second_call_stays_text():
+    one = HERMES.write_call("get_time", '{"zone": 1}')
+    two = HERMES.write_call("get_time", '{"zone": 2}')
+    parser = ToolCallParser(HERMES, NAMES, single=True)
+    pieces = parser.feed(f"{one}\n{two}") + parser.finish()
+    assert pieces == [ParsedCall("get_time", '{"zone": 1}'), two]
+    parser = ToolCallParser(LLAMA3_JSON, NAMES, single=True)
+    text = '{"name": "get_time", "parameters": {"zone": 1}}; {"name": "get_time"}'
+    assert parser.feed(text) + parser.finish() == [
+        ParsedCall("get_time", '{"zone": 1}'), '{"name": "get_time"}']  # fmt: skip
+    # Nested past what the JSON parser takes: text, not an error.
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    assert parse(HERMES, NAMES, deep) == (deep, [])
+
+
 def test_the_llama3_json_parser_reads_bare_calls():
     weather = '{"city": "Rome", "unit": "celsius"}'
     text = '{"name": "get_time", "parameters": {"zone": 1}}; ' + (
@@ -144,6 +159,26 @@ def test_a_forced_calls_grammar_takes_only_valid_calls(grammars):
         assert not _accepts(grammars, required, text), text
     single = HERMES.grammar(TOOLS, False, "tool_choice")
     assert _accepts(grammars, single, one) and not _accepts(grammars, single, f"{one}\n{two}")
+
+    # A nested model's schema keeps its $defs (pydantic writes them; their $refs resolve), and
+    # parameters that list no properties take any object.
+    class Place(BaseModel):
+        city: str = Field(max_length=8)
+
+    class Trip(BaseModel):
+        to: Place
+        days: int
+
+    nested = [FunctionTool("plan", None, Trip.model_json_schema()),
+              FunctionTool("log", None, {"type": "object"})]  # fmt: skip
+    grammar = HERMES.grammar(nested, True, "tool_choice")
+    assert _accepts(
+        grammars, grammar, HERMES.write_call("plan", '{"to": {"city": "Rome"}, "days": 3}')
+    )
+    assert not _accepts(
+        grammars, grammar, HERMES.write_call("plan", '{"to": {"town": "Rome"}, "days": 3}')
+    )
+    assert _accepts(grammars, grammar, HERMES.write_call("log", '{"a": [1, 2]}'))
     bare = LLAMA3_JSON.grammar(TOOLS[1:], False, "tool_choice")
     assert _accepts(grammars, bare, LLAMA3_JSON.write_call("get_time", '{"zone": 4}'))
     assert not _accepts(grammars, bare, one)
@@ -339,6 +374,7 @@ def test_bad_tools_are_400s(base):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ({"tools": [CHAT_TOOLS[0], CHAT_TOOLS[0]]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f\n"}}]}, "tools"),
         ({"tools": [{"type": "function",
                      "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -352,6 +388,16 @@ def test_bad_tools_are_400s(base):
         assert r.json()["error"]["param"] == param, (extra, r.json())
     r = _chat(base, model="dream")
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # A call sent back with arguments nested past the JSON parser's depth, or not JSON at
+    # all: rendered as a JSON string, answered.
+    for arguments in ("[" * 2000, "not json", ""):
+        call = {"id": "c", "type": "function",
+                "function": {"name": "get_time", "arguments": arguments}}  # fmt: skip
+        messages = [{"role": "user", "content": "x"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c", "content": "1"}]  # fmt: skip
+        r = _chat(base, messages=messages, max_tokens=2, tool_choice="none")
+        assert r.status_code == 200, r.text
 
 
 # ---- the Responses API ------------------------------------------------------------------------

@@ -45,10 +45,10 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest, tools: ToolUs
             param="messages",
         )
     offered = tools.offered if tools is not None else []
-    messages, tools_arg = render(
-        [m.rendered() for m in req.messages], offered, renders_tools(served.chat_template)
-    )
     try:
+        messages, tools_arg = render(
+            [m.rendered() for m in req.messages], offered, renders_tools(served.chat_template)
+        )
         prompt: str = served.tokenizer.apply_chat_template(
             messages, tools=tools_arg, add_generation_prompt=True, tokenize=False
         )

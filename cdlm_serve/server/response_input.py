@@ -158,8 +158,8 @@ def _render(
 ) -> str:
     if not served.chat_template:
         raise APIError(400, f"model {served.name!r} has no chat template", param="model")
-    messages, tools_arg = render(messages, tools or [], renders_tools(served.chat_template))
     try:
+        messages, tools_arg = render(messages, tools or [], renders_tools(served.chat_template))
         text: str = served.tokenizer.apply_chat_template(
             messages, tools=tools_arg, add_generation_prompt=True, tokenize=False
         )

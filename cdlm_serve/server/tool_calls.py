@@ -60,7 +60,9 @@ class ToolUse:
 
     def parser(self) -> ToolCallParser | None:
         """A reader of one answer's calls, or None where no call can be made."""
-        return None if self.mode == "none" else ToolCallParser(self.fmt, self.names)
+        if self.mode == "none":
+            return None
+        return ToolCallParser(self.fmt, self.names, single=not self.parallel)
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -70,7 +72,7 @@ def _bad(param: str, message: str) -> APIError:
 def _function(raw: Any, where: str) -> FunctionTool:
     """One function tool from its fields (`name`, `description`, `parameters`)."""
     name = raw.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise _bad("tools", f"{where}.name must be 1-64 letters, digits, '_' or '-'")
     description = raw.get("description")
     if description is not None and not isinstance(description, str):

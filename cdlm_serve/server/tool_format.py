@@ -77,21 +77,8 @@ class ToolFormat:
 
     def grammar(self, tools: list[FunctionTool], parallel: bool, param: str) -> GrammarSpec:
         """The grammar of an answer that is only calls to `tools` (one, or one or more where
-        `parallel`), each call's arguments valid for its function's parameters."""
-        one_of = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t.name},
-                    self.arguments_key: _closed(t.parameters),
-                },
-                "required": ["name", self.arguments_key],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-        # The JSON written as `json.dumps` writes it (no runs of whitespace to loop on).
-        schema = {"anyOf": one_of, "x-guidance": JSON_OPTIONS}
+        `parallel`), each call's arguments valid for its function's parameters: one rule per
+        function, each its own JSON schema (so that each keeps its own `$defs`)."""
         call = " ".join(
             [*([json.dumps(self.start)] if self.start else []), "body"]
             + ([json.dumps(self.end)] if self.end else [])
@@ -99,15 +86,44 @@ class ToolFormat:
         lines = [
             f"start: call ({json.dumps(self.separator)} call)*" if parallel else "start: call",
             f"call: {call}",
-            f"body: %json {json.dumps(schema)}",
+            "body: " + " | ".join(f"f{i}" for i in range(len(tools))),
         ]
+        lines += [f"f{i}: %json {json.dumps(self._call_schema(t))}" for i, t in enumerate(tools)]
         return GrammarSpec("lark", "\n".join(lines) + "\n", param)
+
+    def _call_schema(self, tool: FunctionTool) -> dict[str, Any]:
+        """The JSON schema of one call to `tool`. Its parameters' own definitions (`$defs`,
+        `definitions`: pydantic writes a nested model's there) move to the root, where their
+        `$ref`s point; the parameters themselves become one more definition."""
+        arguments = _closed(tool.parameters)
+        defs: dict[str, Any] = {
+            k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments
+        }
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.name},
+                self.arguments_key: {"$ref": f"#/$defs/{ARGUMENTS}"},
+            },
+            "required": ["name", self.arguments_key],
+            "additionalProperties": False,
+            **defs,
+            "$defs": {**defs.get("$defs", {}), ARGUMENTS: arguments},
+            # The JSON written as `json.dumps` writes it (no runs of whitespace to loop on).
+            "x-guidance": JSON_OPTIONS,
+        }
+
+
+ARGUMENTS = "__call_arguments"  # the parameters' name among a call schema's definitions
 
 
 def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
-    """The arguments' schema as a forced call follows it: no properties beyond those listed
-    unless the schema allows them itself (what OpenAI's function calling does; JSON Schema's
-    own default, any extra property, lets a small model copy the schema's keywords in)."""
+    """The arguments' schema as a forced call follows it: where it lists properties, none
+    beyond them unless the schema allows them itself (what OpenAI's function calling does;
+    JSON Schema's own default, any extra property, lets a small model copy the schema's
+    keywords in). A schema without properties (any object) stays open."""
+    if not parameters.get("properties"):
+        return dict(parameters)
     return {"additionalProperties": False, **parameters}
 
 
@@ -124,9 +140,10 @@ def renders_tools(chat_template: str | None) -> bool:
 
 
 def format_for(chat_template: str | None, family: str) -> ToolFormat:
-    """The form a model calls tools in: its family's where its template renders tools, else
-    the system-prompt form (hermes)."""
-    if renders_tools(chat_template):
+    """The form a model calls tools in: where its template renders tools, the form the
+    template writes calls in (`<tool_call>` blocks: hermes, whatever the family, as Hermes
+    fine-tunes of Llama do), else its family's; without, the system-prompt form (hermes)."""
+    if renders_tools(chat_template) and "<tool_call>" not in (chat_template or ""):
         return NATIVE_FORMATS.get(family, HERMES)
     return HERMES
 
@@ -178,7 +195,7 @@ def _hermes_message(m: dict[str, Any]) -> dict[str, Any]:
     if not calls:
         return {"role": m["role"], "content": m.get("content") or ""}
     functions = [c["function"] for c in calls]
-    written = HERMES.write_calls([(f["name"], f["arguments"]) for f in functions])
+    written = HERMES.write_calls([(f["name"], _json_object(f["arguments"])) for f in functions])
     content = m.get("content") or ""
     return {"role": m["role"], "content": f"{content}\n{written}" if content else written}
 
@@ -203,5 +220,15 @@ def _native(m: dict[str, Any]) -> dict[str, Any]:
 def _as_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments  # not JSON: as the client sent it
+
+
+def _json_object(arguments: str) -> str:
+    """A call's arguments, sent back by a client, as JSON text to write into the prompt: as
+    sent where they are a JSON object (the model's own text, byte for byte), else an empty
+    object for nothing, or the text as a JSON string (never text that breaks the call)."""
+    if not arguments.strip():
+        return "{}"
+    value = _as_object(arguments)
+    return arguments if isinstance(value, dict) else json.dumps(arguments)

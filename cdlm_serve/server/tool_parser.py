@@ -33,9 +33,11 @@ Piece = str | ParsedCall  # text for the user, or a call
 class ToolCallParser:
     """The calls and text of one answer, read as its text arrives (`feed`, then `finish`)."""
 
-    def __init__(self, fmt: ToolFormat, names: set[str]):
+    def __init__(self, fmt: ToolFormat, names: set[str], single: bool = False):
         self.fmt = fmt
         self.names = names
+        self.single = single  # `parallel_tool_calls` false: a call after the first is text
+        self._calls = 0
         self._open, self._close = fmt.start.strip(), fmt.end.strip()
         self._buffer = ""
         self._inside = False  # in a call's body (after its opening tag)
@@ -92,19 +94,23 @@ class ToolCallParser:
         if not final:
             return []
         text, self._buffer = self._buffer, ""
-        calls = self._bare_calls(text)
-        return list(calls) if calls is not None else [text]
+        pieces = self._bare_calls(text)
+        return pieces if pieces is not None else [text]
 
-    def _bare_calls(self, text: str) -> list[ParsedCall] | None:
-        decoder, calls, at = json.JSONDecoder(), list[ParsedCall](), 0
+    def _bare_calls(self, text: str) -> list[Piece] | None:
+        """The calls the text is made of (with `single`, the first, and the rest as text), or
+        None where it is not only calls."""
+        decoder, calls, at = json.JSONDecoder(), list[Piece](), 0
         separator = self.fmt.separator.strip()
         while True:
             at = _skip(text, at, " \n\t")
             if at >= len(text):
                 return calls or None
+            if self.single and calls:
+                return [*calls, text[at:]]
             try:
                 obj, at = decoder.raw_decode(text, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = self._read(obj)
             if call is None:
@@ -117,7 +123,7 @@ class ToolCallParser:
     def _call(self, body: str) -> ParsedCall | None:
         try:
             return self._read(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
 
     def _read(self, obj: Any) -> ParsedCall | None:
@@ -129,10 +135,11 @@ class ToolCallParser:
         if isinstance(args, str):  # some models write the arguments as JSON text
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
-        if not isinstance(args, dict):
+        if not isinstance(args, dict) or (self.single and self._calls):
             return None
+        self._calls += 1
         return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
     # ---- trimming the content ---------------------------------------------------------------

@@ -115,8 +115,10 @@ def _instructions(stored: Session) -> str | None:
 
 
 def _tools(stored: Session) -> list[FunctionTool]:
-    """The tools a stored response's conversation showed its model (in its cache)."""
-    return response_tools((stored.response or {}).get("tools"))
+    """The tools a stored response showed its model (in its cache): its tools, unless its
+    `tool_choice` was "none" (not shown)."""
+    record = stored.response or {}
+    return [] if record.get("tool_choice") == "none" else response_tools(record.get("tools"))
 
 
 def _previous(given: str | None, turn: Turn) -> str | None:
