@@ -42,6 +42,18 @@ def tiny_ar_engine(tiny_llama_dir):
     return AREngine(load_model(tiny_llama_dir)[0], tiny_models.byte_tokenizer(), 512)
 
 
+@pytest.fixture(scope="module", params=["dream", "llada"])
+def tiny_dlm_engine(request, tmp_path_factory):
+    """A diffusion engine on a tiny random Dream-, then LLaDA-format model (fp32, CPU)."""
+    from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
+    from cdlm_serve.models.loading import load_model
+
+    folder = tmp_path_factory.mktemp(request.param)
+    {"dream": tiny_models.dream_tiny, "llada": tiny_models.llada_tiny}[request.param](folder)
+    model, _ = load_model(folder)
+    return DLMEngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, fetched and converted once (shared with the user's cache)."""

@@ -13,15 +13,10 @@ from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.loading import load_model
 from conftest import outputs_by_request
 
-FORMATS = {"dream": tiny_models.dream_tiny, "llada": tiny_models.llada_tiny}
 
-
-@pytest.fixture(scope="module", params=list(FORMATS))
-def engine(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    FORMATS[request.param](folder)
-    model, _ = load_model(folder)
-    return DLMEngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+@pytest.fixture(scope="module")
+def engine(tiny_dlm_engine):
+    return tiny_dlm_engine
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -37,6 +37,13 @@ from cdlm_serve.train.data import KINDS, held_out_prose
 from cdlm_serve.train.teacher import solve_held_out
 
 SUITES = ("addition3", "trace4")
+# Each suite's answer format as a regex (for structured outputs: `dlm --grammar`): addition's
+# column steps `d+d+c=dd,` then `=` and the 3- or 4-digit sum; trace's four statements, each
+# echoed (4 characters) and valued.
+ANSWER_FORMATS = {
+    "addition3": r"([0-9]\+[0-9]\+[01]=[0-9]{2},){3}=[0-9]{3,4}",
+    "trace4": "".join(rf"{v}=[a-d0-9+\- ]{{4}}=[0-9];" for v in "abcd"),
+}
 
 
 @dataclass(slots=True)

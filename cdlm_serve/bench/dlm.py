@@ -5,6 +5,7 @@
                                    [--json out.json]
     python -m cdlm_serve.bench.dlm --per-step [--json out.json]
     python -m cdlm_serve.bench.dlm --kernels-vs-fp32 [--isa avx2] [--text-limit 8] [--json out.json]
+    python -m cdlm_serve.bench.dlm --grammar [--limit N] [--batch B] [--json out.json]
 
 With no model arguments it evaluates the shipped teacher (vanilla, fast_dllm) and student
 (cdlm) on our held-out suites: see bench/cdlm_suites.py. Otherwise each JSONL line is
@@ -20,6 +21,14 @@ teacher); cdlm runs `--cdlm-model` (the block-causal student), or `--model` if n
 interleaved: in bf16 on the fused CPU kernels (of `--isa`), and in float32 on PyTorch's ops,
 the path a CPU without the kernels takes; reported: each path's tokens/s and their ratio.
 
+`--grammar` measures what structured outputs cost a diffusion model: the student (cdlm) on the
+first `--limit` held-out problems of each task suite, unconstrained and under a regex of the
+suite's answer format (`cdlm_suites.ANSWER_FORMATS`), in both orders a grammar may commit in
+(`engine.decoding.dlm_grammar`: "any", the default, and "leftmost"); decoded `--batch` at a
+time, the rows interleaved per batch. Reported per row and suite: steps per answer (forward
+passes, the prefill included; median and mean), tokens per step, exact match and answers that
+match the format (%), and seconds per answer (the batch's time over its answers, median).
+
 `--per-step` measures what one step costs: a cached CDLM block step (B new tokens against a
 cache holding the prompt and the answer so far) vs a full-recompute step (prompt + whole answer,
 bidirectional), on a random LLaDA-format model, at answer lengths 64 and 256.
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -39,13 +49,14 @@ from pathlib import Path
 import torch
 
 from cdlm_serve.bench import cdlm_suites
+from cdlm_serve.engine.decoding import DLMEngine, GenerationOptions, GrammarSpec
 from cdlm_serve.models import kernels
 from cdlm_serve.models.attention import AttentionPattern
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.sources import resolve
 from cdlm_serve.models.transformer import Transformer
-from cdlm_serve.train.data import held_out_prose
-from cdlm_serve.train.tasks import exact_match
+from cdlm_serve.train.data import KINDS, held_out_prose
+from cdlm_serve.train.tasks import TASKS, exact_match
 
 
 @dataclass(slots=True)
@@ -106,6 +117,93 @@ def _print_table(result: dict, n: int, args: argparse.Namespace) -> None:
             f"{decoding:<11}{r['latency_s']:>11.3f} s{speedup:>7}{r['steps']:>9.1f}{fewer:>7}"
             f"{r['tok_s']:>10.1f}{score:>8}"
         )
+
+
+# ---- structured outputs -----------------------------------------------------------------------
+GRAMMAR_ROWS = ("unconstrained", "regex", "regex, leftmost")
+
+
+def _grammar_batch(engine: DLMEngine, suite: str, problems: list, row: str) -> list[dict]:
+    """One batch of problems decoded together in `row`'s way; per answer: steps, tokens,
+    exact match, format match, seconds (the batch's over its answers)."""
+    regex = cdlm_suites.ANSWER_FORMATS[suite]
+    spec = None if row == "unconstrained" else GrammarSpec("regex", regex)
+    engine.grammar_order = "leftmost" if row.endswith("leftmost") else "any"
+    started = time.perf_counter()
+    for i, ex in enumerate(problems):
+        params = engine.params(GenerationOptions(grammar=spec), KINDS[suite].answer_len, None)
+        ids = engine.tokenizer.encode(ex.prompt, add_special_tokens=False)
+        engine.add(engine.new_sequence(str(i), ids, params))
+    texts = {str(i): "" for i in range(len(problems))}
+    done: dict[str, tuple[int, int]] = {}
+    tokens = dict.fromkeys(texts, 0)
+    while engine.has_work():
+        for out in engine.step():
+            texts[out.request_id] += out.text
+            tokens[out.request_id] += len(out.token_ids)
+            if out.finish_reason is not None:
+                done[out.request_id] = (out.steps or 0, tokens[out.request_id])
+    seconds = (time.perf_counter() - started) / len(problems)
+    return [
+        {
+            "steps": done[str(i)][0],
+            "tokens": done[str(i)][1],
+            "exact": exact_match(texts[str(i)], ex.answer),
+            "format": re.fullmatch(regex, texts[str(i)].strip()) is not None,
+            "seconds": seconds,
+        }
+        for i, ex in enumerate(problems)
+    ]
+
+
+def run_grammar(args: argparse.Namespace) -> dict:
+    kernels.enable_cpu_kernels()
+    engine = cdlm_suites.engine_for(resolve(args.student), getattr(torch, args.dtype), args.batch)
+    result: dict[str, dict] = {}
+    for suite in cdlm_suites.SUITES:
+        problems = list(TASKS[suite].held_out()[: args.limit])
+        _grammar_batch(engine, suite, problems[:4], "regex")  # warm-up: the grammar compiled
+        answers: dict[str, list[dict]] = {row: [] for row in GRAMMAR_ROWS}
+        for start in range(0, len(problems), args.batch):
+            for row in GRAMMAR_ROWS:
+                answers[row] += _grammar_batch(
+                    engine, suite, problems[start : start + args.batch], row
+                )
+        result[suite] = {row: _grammar_summary(done) for row, done in answers.items()}
+    _print_grammar(result, args)
+    return {"limit": args.limit, "batch": args.batch, "dtype": args.dtype, "suites": result}
+
+
+def _grammar_summary(done: list[dict]) -> dict:
+    steps = [d["steps"] for d in done]
+    return {
+        "answers": len(done),
+        "steps_median": statistics.median(steps),
+        "steps_mean": round(statistics.mean(steps), 2),
+        "tokens_per_step": round(sum(d["tokens"] for d in done) / sum(steps), 2),
+        "exact_match": round(100 * sum(d["exact"] for d in done) / len(done), 1),
+        "format_match": round(100 * sum(d["format"] for d in done) / len(done), 1),
+        "seconds_median": round(statistics.median(d["seconds"] for d in done), 4),
+    }
+
+
+def _print_grammar(result: dict, args: argparse.Namespace) -> None:
+    print(
+        f"\nstructured outputs on the cdlm student ({args.dtype}): the first {args.limit} "
+        f"held-out problems per suite, {args.batch} at a time, unconstrained vs a regex of the "
+        "answer format"
+    )
+    print(
+        f"{'suite':<11}{'decoding':<17}{'steps med':>10}{'mean':>7}{'tok/step':>9}"
+        f"{'EM %':>7}{'format %':>9}{'ms/answer':>10}"
+    )
+    for suite, rows in result.items():
+        for row, r in rows.items():
+            print(
+                f"{suite:<11}{row:<17}{r['steps_median']:>10}{r['steps_mean']:>7.2f}"
+                f"{r['tokens_per_step']:>9.2f}{r['exact_match']:>7.1f}{r['format_match']:>9.1f}"
+                f"{1e3 * r['seconds_median']:>10.1f}"
+            )
 
 
 # ---- per-step cost ---------------------------------------------------------------------------
@@ -243,6 +341,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the student in bf16 on the fused kernels vs float32 on PyTorch, side by side",
     )
+    parser.add_argument(
+        "--grammar",
+        action="store_true",
+        help="the student under a regex of each task's answer format vs unconstrained",
+    )
     parser.add_argument("--isa", choices=["native", "avx2", "avx512"], default="native")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
@@ -262,6 +365,9 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_per_step(args)
     elif args.kernels_vs_fp32:
         result = run_kernels_vs_fp32(args)
+    elif args.grammar:
+        args.limit = args.limit or 200
+        result = run_grammar(args)
     elif args.model or args.prompts:
         if not (args.model and args.prompts):
             parser.error("--model and --prompts go together")

@@ -107,11 +107,7 @@ def reject_unsupported(
     if served.is_diffusion:
         if any(unsupported.get(k) for k in ("logprobs", "top_logprobs")):
             unsupported["logprobs"] = True  # diffusion decoding has no per-token distribution
-        # A grammar is named by the field the request set it with.
-        named = [
-            options.grammar.param if name == "grammar" and options.grammar else name
-            for name in options.autoregressive_options()
-        ]
+        named = options.autoregressive_options()
         autoregressive_only = ["logprobs", "tools", *named]
         unsupported |= dict.fromkeys(named, True)
     else:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from cdlm_serve.engine import heap, limits
-from cdlm_serve.engine.decoding.grammar import GrammarError, Grammars, allowed_tokens
+from cdlm_serve.engine.decoding.grammar import Grammars, allowed_tokens
 from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import ModelRunner, last_tokens
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
@@ -145,17 +145,8 @@ class AREngine(ScheduledEngine[ARSequence]):
             repetition_penalty=options.repetition_penalty or 1.0,
             logit_bias=dict(options.logit_bias or {}),
             min_p=options.min_p or 0.0,
-            grammar=self._grammar(options),
+            grammar=self.grammars.for_request(options.grammar),
         )
-
-    def _grammar(self, options: GenerationOptions) -> Any | None:
-        """The answer's own matcher for the request's grammar (compiled once per grammar)."""
-        if options.grammar is None:
-            return None
-        try:
-            return self.grammars.matcher(options.grammar)
-        except GrammarError as e:
-            raise limits.LimitError(limits.LimitProblem(str(e), e.param)) from None
 
     def problem(
         self, prompt: int, params: SamplingParams, history: int = 0

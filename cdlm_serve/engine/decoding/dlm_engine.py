@@ -16,7 +16,9 @@ kept from the pass that last computed it (the prefill, the folded commit, or the
 Generation ends when every position before the first end-of-text token is final (tokens after
 it are dropped, finish "stop"), or when the first max_tokens positions are (finish "length");
 the internal budget is max_tokens rounded up to whole blocks. Requests join and leave between
-steps; the sequences of one decoding mode run as one padded batch, one forward per step.
+steps; the sequences of one decoding mode run as one padded batch, one forward per step. An
+answer that follows a grammar (structured outputs) commits only what its grammar accepts, left
+to right: `engine/decoding/dlm_grammar.py`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 from torch import Tensor
 
 from cdlm_serve.engine import limits
+from cdlm_serve.engine.decoding import dlm_grammar
 from cdlm_serve.engine.decoding.dlm_modes import MODES, DecodeContext
 from cdlm_serve.engine.decoding.dlm_sequence import BlockPass, DLMParams, DLMSequence
+from cdlm_serve.engine.decoding.grammar import Grammars
 from cdlm_serve.engine.decoding.interface import EngineOutput, FinishReason
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
@@ -87,6 +91,9 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
             else (cfg.dlm_threshold if cfg.dlm_threshold is not None else 0.9)
         )
         self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, tokenizer)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size)  # structured outputs
+        # Which positions a step may finalize under a grammar (engine.decoding.dlm_grammar).
+        self.grammar_order: dlm_grammar.GrammarOrder = "any"
         # No prefix caching: a mode's prompt KV lives in its own batch cache, row by row.
         self.prefix_cache: PrefixCache | None = None
         # One batch (scheduler group) per decoding mode, each with its own KV cache.
@@ -136,6 +143,7 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
             steps=options.steps,
             confidence=_confidence(options),
             alg_temp=options.alg_temp or 0.0,
+            grammar=self.grammars.for_request(options.grammar),
         )
 
     def problem(
@@ -228,10 +236,15 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
                 continue
             mode = MODES[name]
             passes = [mode.plan(seq) for seq in group]
+            # The grammar rows' masks at their frontiers (their matchers do not move until
+            # their own _advance); none computed where no row follows a grammar.
+            allowed = dlm_grammar.frontier_masks(
+                group, self.model.config.vocab_size, self.model.device
+            )
             hidden = mode.forward(self.context, passes)  # [n, Qmax, hidden]
             self._count_forward()
             for i, block_pass in enumerate(passes):
-                out = self._advance(block_pass, hidden[i])
+                out = self._advance(block_pass, hidden[i], allowed.get(i))
                 if out is not None:
                     outputs.append(out)
         self.scheduler.retire_finished()
@@ -269,7 +282,11 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         assert seq.first_logits is not None, "no logits for the block's first position"
         return torch.cat([seq.first_logits[None], rest])
 
-    def _advance(self, block_pass: BlockPass, hidden: Tensor) -> EngineOutput | None:
+    def _advance(
+        self, block_pass: BlockPass, hidden: Tensor, allowed: Tensor | None = None
+    ) -> EngineOutput | None:
+        """One sequence's step after the forward; `allowed` [V]: the tokens its grammar allows
+        at its frontier (None: it follows none)."""
         seq = block_pass.seq
         seq.steps += 1
         seq.block_steps += 1
@@ -280,9 +297,21 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         start, size = seq.block_start, seq.block_size
         block = seq.answer[start : start + size]  # a view: updated in place
         masked = block == self.mask_id
+        if allowed is None:
+            chosen, tokens = self._choose(seq, logits, masked)
+            block[chosen] = tokens[chosen]
+            seq.tokens_per_step.append(int(chosen.sum()))
+            return self._after_step(seq)
+        frontier = seq.grammar_checked - start  # the block's first masked position
+        logits = logits.clone()
+        logits[frontier] = logits[frontier].masked_fill(~allowed, float("-inf"))
         chosen, tokens = self._choose(seq, logits, masked)
+        if self.grammar_order == "leftmost":
+            chosen = dlm_grammar.leftmost_run(chosen, frontier)
         block[chosen] = tokens[chosen]
-        seq.tokens_per_step.append(int(chosen.sum()))
+        limit = min(seq.params.max_tokens, seq.gen_len)
+        refused = dlm_grammar.check(seq, self.mask_id, limit, self.grammar_order)
+        seq.tokens_per_step.append(int(chosen.sum()) - refused)
         return self._after_step(seq)
 
     def _choose(self, seq: DLMSequence, logits: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
@@ -332,6 +361,12 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
     def _after_step(self, seq: DLMSequence) -> EngineOutput | None:
         """Emit what became final; finish once the answer is complete."""
         answer = seq.answer.tolist()
+        if seq.grammar_end is not None:  # the grammar ended the answer (dlm_grammar.check)
+            seq.steps_per_block.append(seq.block_steps)
+            end = seq.grammar_end
+            if end < len(answer) and answer[end] in seq.stop_ids:  # counted, not shown
+                return self._emit(seq, answer[seq.emitted : end + 1], "stop", hidden_last=True)
+            return self._emit(seq, answer[seq.emitted : end], "stop")
         limit = min(seq.params.max_tokens, seq.gen_len)
         stop_at = next((i for i, t in enumerate(answer[:limit]) if t in seq.stop_ids), None)
         end = limit if stop_at is None else stop_at

@@ -33,6 +33,10 @@ class DLMParams(GenerationParams):
     steps: int | None = None
     confidence: Confidence = "probability"  # how sure a step is of each masked position
     alg_temp: float = 0.0  # > 0: scheduled positions are drawn by confidence (Dream's alg_temp)
+    # The answer follows a grammar: this answer's own llguidance matcher
+    # (`engine.decoding.grammar.Grammars.matcher`), advanced over the answer's checked prefix
+    # (`engine.decoding.dlm_grammar`).
+    grammar: Any | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +59,11 @@ class DLMSequence:
     # the block predicts it, and a pass over the block alone does not compute that state).
     first_logits: Tensor | None = None
     emitted: int = 0  # answer tokens already handed out
+    # A grammar's progress (dlm_grammar): the answer's first `grammar_checked` tokens are final
+    # and consumed by the matcher; `grammar_end`, once set, is where the grammar ended the
+    # answer (a stop token it accepted there, or nothing: it was complete).
+    grammar_checked: int = 0
+    grammar_end: int | None = None
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # set by the scheduler

@@ -27,6 +27,8 @@ import llguidance.torch
 import torch
 from torch import Tensor
 
+from cdlm_serve.engine import limits
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
 MAX_CACHED = 256  # compiled grammars a model keeps (each a few KB to a few MB)
 _ANY_OBJECT = '{"type": "object"}'
@@ -122,6 +124,16 @@ class Grammars:
             if len(self._cache) > MAX_CACHED:
                 self._cache.popitem(last=False)
             return compiled.deep_copy()
+
+    def for_request(self, spec: GrammarSpec | None) -> llguidance.LLMatcher | None:
+        """A request's own matcher for its grammar, or None where it has none; a grammar that
+        does not compile is the request's LimitError (a 400 naming the field it came from)."""
+        if spec is None:
+            return None
+        try:
+            return self.matcher(spec)
+        except GrammarError as e:
+            raise limits.LimitError(limits.LimitProblem(str(e), e.param)) from None
 
 
 def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> Tensor:

@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 # The options only a diffusion engine takes, in the order a refusal names them.
 DIFFUSION_OPTIONS = ("decoding", "block_size", "threshold", "steps", "alg", "alg_temp", "remasking")
 # The options only the autoregressive engine takes (they change its next-token distribution;
-# a diffusion engine commits many tokens a pass, from no one token's distribution).
+# a diffusion engine commits many tokens a pass, from no one token's distribution). A grammar
+# is both engines' (the diffusion engine's: `engine.decoding.dlm_grammar`).
 AUTOREGRESSIVE_OPTIONS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
     "min_p",
-    "grammar",
 )
 
 
@@ -50,7 +50,8 @@ class GenerationOptions:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     min_p: float | None = None
-    grammar: GrammarSpec | None = None  # the answer's structure (structured outputs)
+    # Both engines': the answer's structure (structured outputs).
+    grammar: GrammarSpec | None = None
     # The diffusion engine's (DIFFUSION_OPTIONS): its decoding mode, block size and threshold,
     # and the reference releases' own options: a fixed number of steps, Dream's `alg` and
     # `alg_temp`, LLaDA's `remasking` (`alg`'s alternative).
