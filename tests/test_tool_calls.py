@@ -450,11 +450,17 @@ def test_a_streamed_responses_call_lists_the_items_it_announced(base):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
 
 
-def test_the_tool_calls_example_runs(base):
-    """examples/tool_calls.py (docs/api.md's example), as a user runs it."""
+def test_the_structured_and_tools_example_runs(base):
+    """examples/structured_and_tools.py (docs/api.md's examples), as a user runs it."""
+    import re
+
     from test_examples import run_example
 
-    out = run_example(base, "tool_calls.py", "--model", "tiny")
+    out = run_example(base, "structured_and_tools.py", "--model", "tiny")
     assert "chat call: get_weather(GetWeather(city=" in out
     assert "chat finish_reason: tool_calls" in out
     assert "responses call: get_weather({" in out and "structured: Forecast(city=" in out
+    assert "structured (responses): Forecast(city=" in out and "json_object: {" in out
+    assert re.search(r"guided_regex: 20[0-9]{2}-[01][0-9]-[0-3][0-9]\n", out), out
+    assert re.search(r"guided_choice: (yes|no)\n", out), out
+    assert re.search(r"sampling options: (stop|length) [0-9]+\n", out), out

@@ -1,4 +1,4 @@
-"""A tool round trip and a structured answer, through the OpenAI SDK.
+"""Tool calls, structured outputs and the sampling options, through the OpenAI SDK.
 
 1. The model is made to call `get_weather` (`tool_choice` names it: the server's grammar makes
    the arguments valid for the function's parameters), and the SDK parses the arguments into
@@ -6,12 +6,15 @@
 2. The call's result goes back as a `tool` message, and the model answers in text.
 3. The same conversation on the Responses API: the call is a `function_call` output item, its
    result a `function_call_output` input item, continued from the stored response's cache.
-4. A structured answer: `response_format` is a pydantic model, the SDK parses the answer.
+4. Structured answers: `response_format` a pydantic model (the SDK parses the answer, on chat
+   and on Responses' `text_format`), `json_object`, and vLLM's `guided_regex` and
+   `guided_choice` through `extra_body`.
+5. The sampling options: presence, frequency and repetition penalties, `logit_bias`, `min_p`.
 
 Run it against the default server (SmolLM2-135M-Instruct):
 
     cdlm-serve
-    python examples/tool_calls.py
+    python examples/structured_and_tools.py
 """
 
 from __future__ import annotations
@@ -103,14 +106,45 @@ def responses(client: OpenAI, model: str) -> None:
 
 
 def structured(client: OpenAI, model: str) -> None:
+    ask = [{"role": "user", "content": "The weather in Rome, as JSON."}]
     done = client.chat.completions.parse(
-        model=model,
-        messages=[{"role": "user", "content": "The weather in Rome, as JSON."}],
-        response_format=Forecast,
-        max_tokens=100,
-        temperature=0,
+        model=model, messages=ask, response_format=Forecast, max_tokens=100, temperature=0
     )
     print(f"structured: {done.choices[0].message.parsed!r}")
+    parsed = client.responses.parse(
+        model=model, input=ask[0]["content"], text_format=Forecast, max_output_tokens=100,
+        temperature=0,
+    )  # fmt: skip
+    print(f"structured (responses): {parsed.output_parsed!r}")
+    anything = client.chat.completions.create(
+        model=model, messages=ask, response_format={"type": "json_object"}, max_tokens=60,
+        temperature=0,
+    )  # fmt: skip
+    print(f"json_object: {json.loads(anything.choices[0].message.content)!r}")
+    regex = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A date?"}], max_tokens=20,
+        extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+    )  # fmt: skip
+    print(f"guided_regex: {regex.choices[0].message.content}")
+    choice = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )  # fmt: skip
+    print(f"guided_choice: {choice.choices[0].message.content}")
+
+
+def sampling(client: OpenAI, model: str) -> None:
+    done = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=20,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"0": -100},  # token 0 never drawn
+        seed=1,
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.05},
+    )
+    print(f"sampling options: {done.choices[0].finish_reason} {done.usage.completion_tokens}")
 
 
 def main() -> None:
@@ -122,6 +156,7 @@ def main() -> None:
     chat(client, args.model)
     responses(client, args.model)
     structured(client, args.model)
+    sampling(client, args.model)
 
 
 if __name__ == "__main__":
