@@ -55,6 +55,8 @@ HERMES_TEXTS = [
     '<tool_call>{"name": "nope", "arguments": {}}</tool_call> and <tool_call>{bad json',
     "no calls at all, just < and <tool and <tool_cal",
     '  <tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": 1}"}\n</tool_call>  ',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b", '
+    '"unit": "celsius"}}</tool_call> then <tool_call>{"x": "</tool_call> <tool_call>',
 ]
 
 
@@ -69,6 +71,11 @@ def test_the_hermes_parser_reads_calls_and_keeps_the_rest_as_text():
     assert parse(HERMES, NAMES, HERMES_TEXTS[2]) == (HERMES_TEXTS[2], [])
     # Arguments written as JSON text are read as the object they hold.
     assert parse(HERMES, NAMES, HERMES_TEXTS[3]) == (None, [ParsedCall("get_time", '{"zone": 1}')])
+    # A closing tag inside an argument's string does not end the call; a call that is no JSON
+    # at any closing tag ends at its first.
+    content, calls = parse(HERMES, NAMES, HERMES_TEXTS[4])
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["a</tool_call>b"]
+    assert content == 'then <tool_call>{"x": "</tool_call> <tool_call>'
 
 
 def test_a_stream_cut_anywhere_reads_as_the_whole_answer():

@@ -5,7 +5,9 @@
 for the user and each complete call. A streamed answer sends what it gives as it comes; a
 whole answer is the same pieces joined (`parse`), so the two always agree. Text that only
 might open a call is held until it is known; a call whose JSON does not parse, or names no
-offered function, stays text, as vLLM's parsers leave it. The content is trimmed: leading
+offered function, stays text, as vLLM's parsers leave it (a call's text that is not JSON at its
+first closing tag is held, streamed, until the answer shows where it ends). The content is
+trimmed: leading
 whitespace is dropped and trailing whitespace is held until more text follows it, so the
 newline between two calls is never sent as content.
 """
@@ -71,8 +73,8 @@ class ToolCallParser:
                 out.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 return out
-            at = self._buffer.find(self._close)
-            if at < 0:
+            at = self._body_end(final)
+            if at is None:
                 if final:  # a call never closed (the answer was cut): its text as it is
                     out.append(self._open + self._buffer)
                     self._buffer, self._inside = "", False
@@ -82,6 +84,17 @@ class ToolCallParser:
             self._inside = False
             call = self._call(body)
             out.append(call if call is not None else self._open + body + self._close)
+
+    def _body_end(self, final: bool) -> int | None:
+        """Where the call's body ends: at the first closing tag before which it is JSON (a
+        string in its arguments may hold the tag itself), else, once the answer is whole, at
+        the first closing tag; None while that is not known yet (or there is none)."""
+        first = at = self._buffer.find(self._close)
+        while at >= 0:
+            if _is_json(self._buffer[:at]):
+                return at
+            at = self._buffer.find(self._close, at + 1)
+        return first if final and first >= 0 else None
 
     def _drain_bare(self, final: bool) -> list[Piece]:
         """A format whose calls are bare JSON objects: an answer that starts with `{` is held
@@ -161,6 +174,14 @@ class ToolCallParser:
                 else:
                     out.append(body)
         return out
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _partial_suffix(text: str, tag: str) -> int:
