@@ -26,8 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from cdlm_serve.engine.decoding import GrammarSpec
-from cdlm_serve.engine.decoding.grammar import JSON_OPTIONS
+from cdlm_serve.engine.decoding import JSON_OPTIONS, GrammarSpec
 
 # The system-prompt form (Hermes'), for templates without tools of their own.
 TOOLS_PROMPT = (

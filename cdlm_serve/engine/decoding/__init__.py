@@ -13,7 +13,7 @@ from cdlm_serve.engine.decoding.ar_engine import AREngine, ARSequence
 from cdlm_serve.engine.decoding.dlm_engine import DLMEngine
 from cdlm_serve.engine.decoding.dlm_modes import MODES
 from cdlm_serve.engine.decoding.dlm_sequence import DLMParams, DLMSequence
-from cdlm_serve.engine.decoding.grammar import GrammarError, GrammarSpec
+from cdlm_serve.engine.decoding.grammar import JSON_OPTIONS, GrammarError, GrammarSpec
 from cdlm_serve.engine.decoding.interface import Engine, EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import FUSED_PREFILL_TOKENS, ModelRunner
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
@@ -31,6 +31,7 @@ __all__ = [
     "DIFFUSION_OPTIONS",
     "DREAM_ALGS",
     "FUSED_PREFILL_TOKENS",
+    "JSON_OPTIONS",
     "LLADA_REMASKING",
     "MODES",
     "AREngine",
