@@ -120,7 +120,9 @@ def structured(client: OpenAI, model: str) -> None:
         model=model, messages=ask, response_format={"type": "json_object"}, max_tokens=60,
         temperature=0,
     )  # fmt: skip
-    print(f"json_object: {json.loads(anything.choices[0].message.content)!r}")
+    done_json = anything.choices[0]
+    # Whole ("stop"): a JSON object; cut at max_tokens ("length"): a valid prefix of one.
+    print(f"json_object ({done_json.finish_reason}): {done_json.message.content}")
     regex = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "A date?"}], max_tokens=20,
         extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},

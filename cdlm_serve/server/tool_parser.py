@@ -73,14 +73,14 @@ class ToolCallParser:
                 out.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 return out
-            at = self._body_end(final)
-            if at is None:
+            end = self._body_end(final)
+            if end is None:
                 if final:  # a call never closed (the answer was cut): its text as it is
                     out.append(self._open + self._buffer)
                     self._buffer, self._inside = "", False
                 return out
-            body = self._buffer[:at]
-            self._buffer = self._buffer[at + len(self._close) :]
+            body = self._buffer[:end]
+            self._buffer = self._buffer[end + len(self._close) :]
             self._inside = False
             call = self._call(body)
             out.append(call if call is not None else self._open + body + self._close)
