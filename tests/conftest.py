@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -143,6 +144,17 @@ def tiny_app_server(
     app = create_app(config)
     with app_in_thread(app) as base:
         yield base, app.state.server
+
+
+def json_schema_spellings(schema: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The request fields that each ask for answers under `schema`, as clients spell them:
+    OpenAI's response_format, vLLM's guided_json and its structured_outputs (as JSON text)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    return [
+        {"response_format": response_format},
+        {"guided_json": schema},
+        {"structured_outputs": {"json": json.dumps(schema)}},
+    ]
 
 
 def tree_snapshot(folder: Path, but: Path | None = None) -> dict[str, tuple]:

@@ -21,7 +21,7 @@ from cdlm_serve.engine.decoding.dlm_grammar import check
 from cdlm_serve.models.sources import resolve
 from cdlm_serve.train.data import KINDS
 from cdlm_serve.train.tasks import TASKS, exact_match
-from conftest import running_server
+from conftest import json_schema_spellings, running_server
 
 PROMPT = list(b"Pick: ")
 MASK, EOS = tiny_models.MASK_ID, tiny_models.EOS_ID
@@ -242,17 +242,7 @@ def test_every_spelling_on_a_diffusion_model_streamed_and_not(base):
     r = _post(base, "/v1/completions", {**completion, "guided_choice": CHOICES, "n": 3,
                                         "temperature": 1.0, "seed": 1})  # fmt: skip
     assert r.status_code == 200 and {c["text"] for c in r.json()["choices"]} <= set(CHOICES)
-    schema = Pet.model_json_schema()
-    for extra in (
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "p", "schema": schema},
-            }
-        },
-        {"guided_json": schema},
-        {"structured_outputs": {"json": json.dumps(schema)}},
-    ):
+    for extra in json_schema_spellings(Pet.model_json_schema(), "p"):
         r = _post(base, "/v1/chat/completions", {**chat, **extra})
         assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
         Pet.model_validate_json(r.json()["choices"][0]["message"]["content"])

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cdlm_serve.engine.decoding import GenerationOptions, GrammarSpec, SamplingParams
 from cdlm_serve.engine.limits import LimitError
+from conftest import json_schema_spellings
 
 PROMPT = list(b"Order: ")
 
@@ -167,17 +168,7 @@ def test_every_spelling_streamed_and_not(base):
             assert re.fullmatch(regex, text) and choice["finish_reason"] == "stop", text
     r = post("/v1/completions", {**completion, "guided_choice": ["red", "green"], "n": 4})
     assert {c["text"] for c in r.json()["choices"]} <= {"red", "green"}
-    schema = Order.model_json_schema()
-    for extra in (
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "o", "schema": schema},
-            }
-        },
-        {"guided_json": schema},
-        {"structured_outputs": {"json": json.dumps(schema)}},
-    ):
+    for extra in json_schema_spellings(Order.model_json_schema(), "o"):
         with httpx.stream("POST", f"{base}/v1/chat/completions",
                           json={**chat, **extra, "stream": True}, timeout=120) as r:  # fmt: skip
             assert r.status_code == 200
