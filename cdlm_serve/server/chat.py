@@ -93,17 +93,10 @@ def _content_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> list[dict
     ]
 
 
-def _wire_calls(calls: list[ParsedCall], first: int = 0) -> list[dict[str, Any]]:
-    """Calls as chat's `tool_calls` (a stream's delta gives each its `index`)."""
-    return [
-        {
-            "index": first + k,
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
-        for k, c in enumerate(calls)
-    ]
+def _wire_call(call: ParsedCall) -> dict[str, Any]:
+    """A call as chat's `tool_calls` lists it (a stream's delta adds its `index`)."""
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call_id(), "type": "function", "function": function}
 
 
 def _message(text: str, tools: ToolUse | None) -> dict[str, Any]:
@@ -113,9 +106,7 @@ def _message(text: str, tools: ToolUse | None) -> dict[str, Any]:
     content, calls = parse(parser.fmt, parser.names, text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = [
-            {k: v for k, v in c.items() if k != "index"} for c in _wire_calls(calls)
-        ]
+        message["tool_calls"] = [_wire_call(c) for c in calls]
     return message
 
 
@@ -186,7 +177,7 @@ async def _chunks(
             if isinstance(piece, str):
                 deltas.append({"content": piece})
             else:
-                deltas.append({"tool_calls": _wire_calls([piece], called[i])})
+                deltas.append({"tool_calls": [{"index": called[i], **_wire_call(piece)}]})
                 called[i] += 1
         if not deltas and (out.finish_reason or lps):
             deltas = [{}]
