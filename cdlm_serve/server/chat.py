@@ -110,9 +110,11 @@ def _message(text: str, tools: ToolUse | None) -> dict[str, Any]:
     return message
 
 
-def _finish(reason: str | None, called: bool) -> str | None:
-    """An answer that ended on its own after calling tools ends `tool_calls`."""
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish(reason: str | None, called: bool, tools: ToolUse | None) -> str | None:
+    """An answer that ended on its own after calling tools ends `tool_calls`, but for a call
+    to the function `tool_choice` named, which ends `stop` (as OpenAI's and vLLM's do)."""
+    named = tools is not None and tools.mode == "function"
+    return "tool_calls" if called and reason == "stop" and not named else reason
 
 
 async def complete(
@@ -139,7 +141,7 @@ async def complete(
                 "index": c.index,
                 "message": messages[i],
                 "logprobs": {"content": logprobs[i]} if req.logprobs else None,
-                "finish_reason": _finish(answer.finish[i], "tool_calls" in messages[i]),
+                "finish_reason": _finish(answer.finish[i], "tool_calls" in messages[i], tools),
             }
             for i, c in enumerate(choices)
         ],
@@ -183,7 +185,7 @@ async def _chunks(
             deltas = [{}]
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
-            finish = _finish(out.finish_reason, called[i] > 0) if last else None
+            finish = _finish(out.finish_reason, called[i] > 0, tools) if last else None
             yield chunk(choices[i].index, delta, finish, lps if k == 0 else [])
 
 

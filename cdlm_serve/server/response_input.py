@@ -17,7 +17,15 @@ from typing import Any
 from cdlm_serve.engine.served_model import ServedModel
 from cdlm_serve.server.errors import APIError
 from cdlm_serve.server.planning import checked_prompt
-from cdlm_serve.server.tool_format import FunctionTool, render, renders_tools, tools_prompt
+from cdlm_serve.server.tool_format import (
+    HERMES,
+    FunctionTool,
+    ToolFormat,
+    format_for,
+    render,
+    renders_tools,
+    tools_prompt,
+)
 
 # Message roles as the chat template knows them (OpenAI's "developer" is a system message).
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -44,18 +52,22 @@ class Turn:
         return [{"role": "system", "content": self.instructions}, *self.messages]
 
     def after(
-        self, stored_instructions: str | None, stored_tools: list[FunctionTool]
+        self,
+        stored_instructions: str | None,
+        stored_tools: list[FunctionTool],
+        fmt: ToolFormat = HERMES,
     ) -> list[dict[str, Any]]:
         """A continuation's new messages. The stored conversation's instructions and tools
         are in its cache already: the same again (OpenAI's clients send them with every
         turn, as OpenAI does not carry them over) are not repeated; other ones come as a
-        system message before the new messages (new tools in the system-prompt form,
-        `tool_format.tools_prompt`, wherever the template would have put its own)."""
+        system message before the new messages (new tools as `tool_format.tools_prompt`
+        shows them in `fmt`, the form the model calls in, wherever the template would have
+        put its own)."""
         system = []
         if self.instructions is not None and self.instructions != stored_instructions:
             system.append(self.instructions)
         if self.tools and self.tools != stored_tools:
-            system.append(tools_prompt(self.tools))
+            system.append(tools_prompt(self.tools, fmt))
         if not system:
             return list(self.messages)
         return [{"role": "system", "content": "\n\n".join(system)}, *self.messages]
@@ -194,7 +206,8 @@ def continuation_ids(
         raise _refuse("input is empty: a continuation needs at least one message")
     marker = f"<<{uuid.uuid4().hex}>>"
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
-    text = _render(served, probe + turn.after(stored_instructions, stored_tools))
+    fmt = format_for(served.chat_template, served.config.family)
+    text = _render(served, probe + turn.after(stored_instructions, stored_tools, fmt))
     _, found, after = text.partition(marker)
     if not found or marker in after:
         raise APIError(

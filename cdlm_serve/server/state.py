@@ -107,6 +107,9 @@ class ServerState:
                     s.prefix_cache_bytes,
                     s.quantize,
                 )
+                # The grammar engine's tokenizer too, so that no request's first structured
+                # output holds the event loop while it is built.
+                self.models[spec.name].engine.grammars.prepare()
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
             self.load_error = f"{type(e).__name__}: {e}"

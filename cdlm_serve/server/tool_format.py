@@ -65,6 +65,7 @@ class ToolFormat:
     end: str  # what closes it
     separator: str  # between parallel calls
     arguments_key: str  # the JSON key of the arguments ("arguments", "parameters")
+    prompt: str  # the system-prompt block that shows tools and asks for calls in this form
 
     def write_call(self, name: str, arguments: str) -> str:
         """One call as the model writes it (`arguments`: a JSON object's text)."""
@@ -126,8 +127,15 @@ def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
     return {"additionalProperties": False, **parameters}
 
 
-HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
-LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
+# Llama 3.1-3.3's own words for its JSON calls (what its template writes before the tools).
+LLAMA3_PROMPT = (
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\nRespond in the format "
+    '{{"name": function name, "parameters": dictionary of argument name and its value}}. '
+    "Do not use variables.\n\n{tools}"
+)
+HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments", TOOLS_PROMPT)
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", LLAMA3_PROMPT)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 # The model families whose own templates render tools, and the form their models call in.
 NATIVE_FORMATS = {"llama": LLAMA3_JSON, "qwen2": HERMES, "qwen3": HERMES}
@@ -147,9 +155,12 @@ def format_for(chat_template: str | None, family: str) -> ToolFormat:
     return HERMES
 
 
-def tools_prompt(tools: list[FunctionTool]) -> str:
-    """The system-prompt form's block that shows the model its tools."""
-    return TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.openai()) for t in tools))
+def tools_prompt(tools: list[FunctionTool], fmt: ToolFormat = HERMES) -> str:
+    """The system-prompt block that shows the model its tools and asks for calls in `fmt`
+    (hermes: the system-prompt form's; a continuation of a model whose template renders
+    tools in another form shows new tools in that form)."""
+    lines = [json.dumps(t.openai()) for t in tools]
+    return fmt.prompt.format(tools=("\n" if fmt is HERMES else "\n\n").join(lines))
 
 
 def _tool_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,10 +185,16 @@ def render(
         if m["role"] == "tool":
             results.append(m)
             continue
+        message = _hermes_message(m)
         if results:
-            rendered.append(_tool_results(results))
+            turn = _tool_results(results)
             results = []
-        rendered.append(_hermes_message(m))
+            if m["role"] == "user":
+                # One user turn, not two in a row (which strict templates, Gemma 3's, refuse).
+                message = {"role": "user", "content": f"{turn['content']}\n\n{message['content']}"}
+            else:
+                rendered.append(turn)
+        rendered.append(message)
     if results:
         rendered.append(_tool_results(results))
     if tools:

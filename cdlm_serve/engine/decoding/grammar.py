@@ -84,10 +84,11 @@ _from_schema: Any = llguidance.LLMatcher.grammar_from_json_schema  # its options
 
 class Grammars:
     """One model's grammars: its tokenizer for llguidance, and a cache of compiled ones. From
-    any thread: the planner compiles on the event loop (`Engine.params`, when a choice is
-    planned: the tokenizer's first build, ~0.4 s for SmolLM2 once per model, and each new
-    grammar's compile, ~1 ms for a nested schema, hold the loop that long), the engine thread
-    only advances the matchers it was handed."""
+    any thread: the server builds the tokenizer while it loads the model (`prepare`: ~0.4 s
+    for SmolLM2, which would otherwise hold the event loop at the first grammar), the planner
+    compiles a new grammar on the event loop (`Engine.params`, when a choice is planned: ~1 ms
+    for a nested schema; llguidance builds its lexer lazily, as tokens come), and the engine
+    thread only advances the matchers it was handed."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self._tokenizer = tokenizer
@@ -97,6 +98,11 @@ class Grammars:
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for metrics and benches
         self.compile_seconds = 0.0
+
+    def prepare(self) -> None:
+        """Build the tokenizer for llguidance now (the server does while it loads a model)."""
+        with self._lock:
+            self._ll_tokenizer()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll is None:  # ~1 s for a 50K vocabulary: only once a grammar is asked for

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from cdlm_serve.engine.decoding.dlm_sequence import DLMParams
+    from cdlm_serve.engine.decoding.grammar import Grammars
     from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
     from cdlm_serve.engine.decoding.request import GenerationOptions
     from cdlm_serve.engine.decoding.sampling import SamplingParams
@@ -68,6 +69,7 @@ class Engine(Protocol[P, S]):
     max_model_len: int
     # Automatic prefix caching, where the engine has it (None: off, or not this kind of engine).
     prefix_cache: PrefixCache | None
+    grammars: Grammars  # structured outputs: the model's compiled grammars
 
     def params(self, options: GenerationOptions, max_tokens: int, seed: int | None) -> P:
         """This engine's parameters for a request's options, with the engine's defaults where
