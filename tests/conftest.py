@@ -35,6 +35,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_4k_dir(tmp_path_factory) -> Path:
+    """The tiny model with a 4K context: a prompt that shows tools is ~1K byte tokens."""
+    folder = tmp_path_factory.mktemp("tiny-llama-4k")
+    tiny_models.hf_tiny("llama", folder, max_position_embeddings=4096)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_ar_engine(tiny_llama_dir):
     """An AR engine of the tiny model (fp32, CPU, a 512-token context), driven by the test."""
     from cdlm_serve.engine.decoding import AREngine
@@ -218,12 +226,11 @@ def default_server(smollm2_dir) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_ar_and_dlm_server(tmp_path_factory) -> Iterator[str]:
-    """The tiny AR model `tiny` (with a 4K context: a prompt that shows tools is ~1K byte
-    tokens) and a tiny Dream model `dream` on one server (fp32, CPU): the request options of
-    one kind of model that the other must refuse."""
-    llama, dream = tmp_path_factory.mktemp("tiny-llama-4k"), tmp_path_factory.mktemp("dream")
-    tiny_models.hf_tiny("llama", llama, max_position_embeddings=4096)
+def tiny_ar_and_dlm_server(tmp_path_factory, tiny_llama_4k_dir) -> Iterator[str]:
+    """The tiny AR model `tiny` (with a 4K context, for tools) and a tiny Dream model `dream`
+    on one server (fp32, CPU): the request options of one kind of model that the other must
+    refuse."""
+    llama, dream = tiny_llama_4k_dir, tmp_path_factory.mktemp("dream")
     tiny_models.dream_tiny(dream)
     with running_server(
         "--model", f"tiny={llama}", "--model", f"dream={dream}",

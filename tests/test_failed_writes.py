@@ -55,8 +55,9 @@ def store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, store) -> Iterator[tuple[str, subprocess.Popen]]:
-    args = ("--model", f"tiny={tiny_llama_dir}", *TINY, "--sessions-dir", str(store))
+def server(tiny_llama_4k_dir, store) -> Iterator[tuple[str, subprocess.Popen]]:
+    # A 4K context: the function-call round trip's prompt shows a tool (~600 byte tokens).
+    args = ("--model", f"tiny={tiny_llama_4k_dir}", *TINY, "--sessions-dir", str(store))
     with _started(args) as started:
         yield started
 
@@ -183,17 +184,82 @@ def test_a_response_that_cannot_be_stored_is_not_stored(server, store):
     assert first.status_code == 200, first.text
     rid = first.json()["id"]
     stored, files = httpx.get(f"{base}/v1/responses/{rid}").json(), tree_snapshot(store)
+    listed = _listed(base)
     follow = {**body, "input": "And then?", "previous_response_id": rid}
     with disk_full(proc):
         _full(_post(base, "/v1/responses", follow))
         # The previous response can still be continued without storing (store: false).
         r = _post(base, "/v1/responses", {**follow, "store": False})
         assert r.status_code == 200, r.text
-    assert tree_snapshot(store) == files
+    assert tree_snapshot(store) == files and _listed(base) == listed
     assert httpx.get(f"{base}/v1/responses/{rid}").json() == stored
     r = _post(base, "/v1/responses", follow)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{base}/v1/responses/{r.json()['id']}").status_code == 200
+
+
+def test_a_function_call_round_trip_that_cannot_be_stored_is_not_stored(server, store):
+    """A forced call's response and the call's result sent back: on a full disk neither is
+    stored, streamed or not, and the stored call goes on as before once there is room."""
+    time_tool = {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+        },
+    }
+    body = {
+        "model": "tiny",
+        "input": "Time?",
+        "tools": [time_tool],
+        "max_output_tokens": 160,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+    (base, proc), before, listed = server, tree_snapshot(store), _listed(server[0])
+    with disk_full(proc):
+        _full(_post(base, "/v1/responses", body))
+        with httpx.stream(
+            "POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120
+        ) as stream:
+            kinds = [line.removeprefix("event: ") for line in stream.iter_lines()]
+        assert "error" in kinds and "response.completed" not in kinds
+        assert "response.output_item.added" in kinds  # the call was streamed, not stored
+    assert tree_snapshot(store) == before and _listed(base) == listed  # not even in memory
+    first = _post(base, "/v1/responses", body)
+    assert first.status_code == 200, first.text
+    (call,) = first.json()["output"]
+    assert call["type"] == "function_call"
+    rid = first.json()["id"]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "14:00"}
+    follow = {**body, "input": [result], "previous_response_id": rid, "tool_choice": "none",
+              "max_output_tokens": 8}  # fmt: skip
+    unstored = _post(base, "/v1/responses", {**follow, "store": False}).json()
+    stored, files = httpx.get(f"{base}/v1/responses/{rid}").json(), tree_snapshot(store)
+    listed = _listed(base)
+    with disk_full(proc):
+        _full(_post(base, "/v1/responses", follow))
+        # Still continued without storing, from the stored call, to the same answer.
+        again = _post(base, "/v1/responses", {**follow, "store": False}).json()
+        assert _contents(again) == _contents(unstored)
+    assert tree_snapshot(store) == files and _listed(base) == listed
+    assert httpx.get(f"{base}/v1/responses/{rid}").json() == stored
+    r = _post(base, "/v1/responses", follow)
+    assert r.status_code == 200, r.text
+    assert _contents(r.json()) == _contents(unstored)
+
+
+def _listed(base: str) -> list[str]:
+    """The sessions the server holds (responses' among them), on disk or only in memory."""
+    r = httpx.get(f"{base}/v1/sessions")
+    return sorted(s["id"] for s in r.json()["data"])
+
+
+def _contents(response: dict) -> list:
+    return [item["content"] for item in response["output"]]
 
 
 def test_what_a_failed_append_left_is_not_on_disk_after_a_kill(tiny_llama_dir, tmp_path):
