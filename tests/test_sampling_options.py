@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cdlm_serve.engine.decoding import SamplingParams
-from cdlm_serve.engine.decoding.sampling import Adjusted, adjust_logits
+from cdlm_serve.engine.decoding.sampling import Adjusted, adjust_logits, draw
 
 PROMPT = [5, 9, 5, 12, 30, 7]
 
@@ -45,6 +45,28 @@ def test_adjustments_by_hand():
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want)
     assert logits[0, 0] == 2.0  # the step's own logits are left as they were
+
+
+def test_draws_follow_the_weights_and_never_take_a_zero_one():
+    """`draw` (the inverse of the cumulative distribution, in place of torch.multinomial):
+    each token as often as its share of the row's sum, whatever the sum; a weight of 0
+    never; the same generator seed, the same tokens."""
+    weights = torch.tensor([0.0, 1.0, 0.0, 6.0, 3.0, 0.0, 0.0, 2.0, 0.0])  # sum 12
+    n = 60_000
+    for scale in (1.0, 1 / 12, 1e-30):  # any positive sum: a row need not be normalized
+        g = torch.Generator().manual_seed(3)
+        drawn = draw((weights * scale).expand(n, -1), g)  # [n]: one draw per row
+        counts = torch.bincount(drawn, minlength=len(weights)).double()
+        share = weights.double() / weights.sum()
+        sigma = (n * share * (1 - share)).sqrt()
+        assert ((counts - n * share).abs() <= 5 * sigma).all(), (scale, counts)
+        assert counts[weights == 0].sum() == 0
+    # One positive weight, first or last: only it.
+    for only in (0, 8):
+        one_hot = torch.zeros(9).index_fill_(0, torch.tensor(only), 0.5)
+        assert set(draw(one_hot.expand(500, -1), None).tolist()) == {only}
+    a, b = (draw(weights.expand(50, -1), torch.Generator().manual_seed(7)) for _ in range(2))
+    assert torch.equal(a, b)
 
 
 def test_greedy_answers_follow_the_adjusted_logits_every_step(engine):

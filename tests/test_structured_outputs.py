@@ -100,16 +100,30 @@ def test_a_partial_answer_ends_with_length(engine):
 
 
 def test_a_row_without_a_grammar_is_unchanged_beside_one(engine):
+    """Rows with and without grammars in one batch, ruled ones between plain ones: each mask
+    lands on its own row (a plain row answers as it does alone, each ruled one follows its
+    own grammar)."""
     kw = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = [t for o in engine.generate(PROMPT, SamplingParams(**kw)) for t in o.token_ids]
-    ruled = engine.params(GenerationOptions(grammar=ORDER, temperature=0.0), 12, None)
-    engine.add(engine.new_sequence("plain", PROMPT, SamplingParams(**kw)))
-    engine.add(engine.new_sequence("ruled", PROMPT, ruled))
-    got: dict[str, list[int]] = {"plain": [], "ruled": []}
+    digits, letters = r"[0-9]{2,6}", r"[a-z]{2,6}"
+    rows = {
+        "plain": SamplingParams(**kw),
+        "order": engine.params(GenerationOptions(grammar=ORDER, temperature=0.0), 12, None),
+        "plain2": SamplingParams(**kw),
+        "digits": engine.params(GenerationOptions(grammar=GrammarSpec("regex", digits)), 12, 1),
+        "letters": engine.params(GenerationOptions(grammar=GrammarSpec("regex", letters)), 12, 2),
+    }
+    for name, params in rows.items():
+        engine.add(engine.new_sequence(name, PROMPT, params))
+    got: dict[str, list[int]] = {name: [] for name in rows}
+    text: dict[str, str] = {name: "" for name in rows}
     while engine.has_work():
         for out in engine.step():
             got[out.request_id] += out.token_ids
-    assert got["plain"] == alone and got["ruled"] != alone
+            text[out.request_id] += out.text
+    assert got["plain"] == got["plain2"] == alone and got["order"] != alone
+    assert text["order"].startswith('{"'), text
+    assert re.fullmatch(digits, text["digits"]) and re.fullmatch(letters, text["letters"]), text
 
 
 def test_a_grammar_that_does_not_compile_is_a_limit_error(engine):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from cdlm_serve.engine import heap, limits
-from cdlm_serve.engine.decoding.grammar import Grammars, allowed_tokens
+from cdlm_serve.engine.decoding.grammar import Grammars, MaskFill
 from cdlm_serve.engine.decoding.interface import EngineOutput, TokenLogprob
 from cdlm_serve.engine.decoding.model_runner import ModelRunner, last_tokens
 from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
@@ -83,6 +83,16 @@ GROWTH_HEADROOM = 256  # answer tokens a new row gets room for when the cache gr
 # joins over several steps, and the running rows decode at every one of them.
 PREFILL_TOKENS_PER_STEP = 512
 ROWS = "rows"  # the scheduler's one group: every sequence shares the batch cache
+
+
+def _adjusting(seqs: list[ARSequence], chunks: list[tuple[int, list[int]]]) -> list[int]:
+    """The rows of a step whose logits the request adjusts (penalties, biases, a grammar),
+    of those that draw a token this step (a decode step, or a prompt's last chunk)."""
+    return [
+        i
+        for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True))
+        if seq.params.adjusts_logits and seq.prefilled + len(tokens) >= len(seq.prompt)
+    ]
 
 
 def _session_slots(seq: ARSequence) -> int:
@@ -236,10 +246,17 @@ class AREngine(ScheduledEngine[ARSequence]):
         if self.running:
             assert self.cache is not None  # every running row has one
             seqs, chunks = self._plan()
-            hidden = self.runner.extend_tokens(chunks, self.cache)  # [T, hidden]
-            last = last_tokens(chunks)  # where each chunk ends in `hidden`
-            logits = self.model.logits(hidden[last])  # [len(chunks), V]
-            drawn = self._adjusted(seqs, chunks, logits)  # what tokens are drawn from
+            rows = _adjusting(seqs, chunks)
+            ruled = [i for i in rows if seqs[i].params.grammar is not None]
+            # Their grammar masks, filled while the model runs.
+            masks = MaskFill([seqs[i].params.grammar for i in ruled], self.grammars.vocab_size)
+            try:
+                hidden = self.runner.extend_tokens(chunks, self.cache)  # [T, hidden]
+                last = last_tokens(chunks)  # where each chunk ends in `hidden`
+                logits = self.model.logits(hidden[last])  # [len(chunks), V]
+                drawn = self._adjusted(seqs, rows, ruled, logits, masks)  # drawn from
+            finally:
+                masks.wait()  # no matcher advances while its mask is being filled
             for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True)):
                 if seq.prefilled < len(seq.prompt):
                     if seq.params.prompt_logprobs is not None:
@@ -320,17 +337,16 @@ class AREngine(ScheduledEngine[ARSequence]):
             pc.insert(tokens, cache, seq.row, seq.params.cache_salt)
 
     def _adjusted(
-        self, seqs: list[ARSequence], chunks: list[tuple[int, list[int]]], logits: Tensor
+        self,
+        seqs: list[ARSequence],
+        rows: list[int],
+        ruled: list[int],
+        logits: Tensor,
+        masks: MaskFill,
     ) -> Tensor:
-        """The step's logits [n, V] with the penalties and biases of the rows that ask for
-        them, all such rows in one pass, and then the grammar masks of the rows that follow
-        one, of the rows that draw a token this step (a decode step, or a prompt's last
-        chunk); the logits themselves when none does (the usual step pays nothing)."""
-        rows = [
-            i
-            for i, (seq, (_, tokens)) in enumerate(zip(seqs, chunks, strict=True))
-            if seq.params.adjusts_logits and seq.prefilled + len(tokens) >= len(seq.prompt)
-        ]
+        """The step's logits [n, V] with the penalties and biases of the `rows` that ask for
+        them (`_adjusting`), all such rows in one pass, and then the grammar masks of the
+        `ruled` ones; the logits themselves when no row asks (the usual step pays nothing)."""
         if not rows:
             return logits
         adjusted = logits.to(torch.float32, copy=True)  # [n, V]
@@ -340,11 +356,13 @@ class AREngine(ScheduledEngine[ARSequence]):
                 logits[biased],
                 [Adjusted(seqs[i].params, seqs[i].prompt, seqs[i].counts) for i in biased],
             )
-        ruled = [i for i in rows if seqs[i].params.grammar is not None]
         if ruled:
-            matchers = [seqs[i].params.grammar for i in ruled]
-            allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)  # [k, V]
-            adjusted[ruled] = adjusted[ruled].masked_fill(~allowed, float("-inf"))
+            bans = masks.bans(logits.shape[-1], logits.device)  # [k, V]: 0 or -inf
+            if len(ruled) == len(adjusted):  # every row (`ruled` is in order)
+                adjusted += bans
+            else:
+                at = torch.tensor(ruled, device=logits.device)
+                adjusted.index_add_(0, at, bans)
         return adjusted
 
     def _sample(self, seq: ARSequence, logits: Tensor) -> int:

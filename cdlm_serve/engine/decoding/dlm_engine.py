@@ -40,6 +40,7 @@ from cdlm_serve.engine.decoding.prefix_cache import PrefixCache
 from cdlm_serve.engine.decoding.request import GenerationOptions
 from cdlm_serve.engine.decoding.sampling import (
     _top_p_filter,
+    draw,
     eos_token_ids,
     make_generator,
     tempered_softmax,
@@ -331,7 +332,7 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
             allowed = allowed / allowed.sum(dim=-1, keepdim=True)
             if p.top_p < 1.0:
                 allowed = _top_p_filter(allowed, p.top_p)
-            tokens = torch.multinomial(allowed, 1, generator=seq.generator).squeeze(-1)
+            tokens = draw(allowed, seq.generator)
         draws = None
         if p.confidence == "random":  # LLaDA draws over the whole sequence, then takes the block
             full = torch.rand(

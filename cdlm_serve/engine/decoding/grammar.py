@@ -7,7 +7,8 @@ model's `Grammars` holds its tokenizer as llguidance sees it (built once) and th
 compiled grammars (least recently used first out); each request gets its own copy of the
 compiled matcher (`matcher`), which the engine advances with every token it samples. At each
 step the rows that follow a grammar get their masks of allowed tokens together
-(`allowed_tokens`: llguidance fills them in parallel), and a row without one pays nothing.
+(`next_token_bitmasks`: llguidance fills them in parallel, beside the forward pass in
+`MaskFill`), added to their logits as 0 or -inf (`token_bans`); a row without one pays nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -142,19 +144,80 @@ class Grammars:
             raise limits.LimitError(limits.LimitProblem(str(e), e.param)) from None
 
 
-def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> Tensor:
-    """Each matcher's tokens allowed next, as a bool mask [len(matchers), vocab] on `device`
-    (the masks filled together, on llguidance's threads)."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)  # [k, ceil(V/32)]
+def next_token_bitmasks(matchers: list[Any], vocab: int) -> Tensor:
+    """Each matcher's tokens allowed next, as llguidance's bitmask [len(matchers), ceil(V/32)]
+    int32 on the CPU (bit b of word w: token 32w + b), filled together on llguidance's
+    threads (without the GIL: `MaskFill` runs it beside the forward pass)."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)  # [k, W]
     if len(matchers) == 1:
         llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
     else:
         llguidance.torch.fill_next_token_bitmask_par(
             _executor(), [(m, i) for i, m in enumerate(matchers)], bitmask
         )
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = (bitmask[:, :, None] >> bits) & 1  # [k, V/32, 32]
-    return allowed.flatten(1)[:, :vocab].bool().to(device)  # [k, V]
+    return bitmask
+
+
+def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> Tensor:
+    """Each matcher's tokens allowed next, as a bool mask [len(matchers), vocab] on `device`."""
+    return token_bans(next_token_bitmasks(matchers, vocab), vocab, device) == 0
+
+
+def token_bans(bitmask: Tensor, vocab: int, device: torch.device) -> Tensor:
+    """A bitmask [k, W] (`next_token_bitmasks`) as what to add to the rows' logits: [k, vocab]
+    float32 on `device`, 0 where a token is allowed and -inf where it is not. Each byte of the
+    mask looks its 8 tokens up in a table (an embedding of the 256 bytes): ~6x less than
+    unpacking the bits and `masked_fill` (2.4 ms for 8 rows of a 49K vocabulary on a core)."""
+    k = bitmask.shape[0]
+    bytes_ = bitmask.to(device, non_blocking=True).view(torch.uint8).long()  # [k, 4W]
+    # Little-endian (x86, CUDA): byte i of a row holds the bits of tokens 8i .. 8i + 7.
+    bans = torch.nn.functional.embedding(bytes_, _byte_bans(device))  # [k, 4W, 8]
+    return bans.view(k, -1)[:, :vocab]
+
+
+_BYTE_BANS: dict[torch.device, Tensor] = {}
+
+
+def _byte_bans(device: torch.device) -> Tensor:
+    """[256, 8] float32: for each byte value, its 8 bits as 0 (set: allowed) or -inf."""
+    table = _BYTE_BANS.get(device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+        table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)
+        _BYTE_BANS[device] = table
+    return table
+
+
+class MaskFill:
+    """The masks of a step's rows that follow a grammar, filled on a worker thread while the
+    model's forward pass runs (each matcher is where the last token left it: its mask does
+    not depend on this step's logits). llguidance fills without the GIL, so on a GPU the mask
+    costs nothing beside the forward; on a CPU the two share the cores."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, matchers: list[Any], vocab: int):
+        self._future: Future[Tensor] | None = None
+        if matchers:
+            self._future = self._worker().submit(next_token_bitmasks, matchers, vocab)
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            return cls._pool
+
+    def bans(self, vocab: int, device: torch.device) -> Tensor:
+        """token_bans of the matchers it was given, [k, vocab] (waits for the fill)."""
+        assert self._future is not None, "no matchers were given"
+        return token_bans(self._future.result(), vocab, device)
+
+    def wait(self) -> None:
+        """Wait for the fill (before any matcher advances), whatever happened meanwhile."""
+        if self._future is not None:
+            self._future.exception()
 
 
 _EXECUTOR: llguidance.LLExecutor | None = None

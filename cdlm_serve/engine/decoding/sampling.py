@@ -164,7 +164,24 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         probs = _top_p_filter(probs, params.top_p)
     if params.min_p > 0.0:
         probs = _min_p_filter(probs, params.min_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of `probs` [B, V] (non-negative weights, any sum > 0) -> [B] int64,
+    each with its weight's share of the row's sum: the inverse of the row's cumulative
+    distribution at one uniform draw. `torch.multinomial` draws the same distribution at ~15x
+    the cost on a CPU (1.3 ms against 80 us for a 49K vocabulary on one core here: a quarter of
+    a sampled decode step at 8 rows), and syncs on CUDA. A token of weight 0 (a grammar's mask,
+    a filter) is never drawn: adding 0 leaves a cumulative sum as it was, so the first one
+    above the draw is a positive weight's. float32 sums, as samplers on GPUs keep them: a
+    weight under float32's resolution at 1 (6e-8 of the row's sum) may round away."""
+    cdf = probs.float().cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:]  # [B, 1]
+    u = torch.rand(total.shape, generator=generator, device=probs.device) * total  # [B, 1]
+    # Below the total, even where u * total rounds up to it: at most the last positive weight.
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [B]
 
 
 # Temperatures below this divide as this. A request may send any t > 0, down to 5e-324, but as
