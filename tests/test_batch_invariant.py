@@ -9,9 +9,11 @@ comparison can see a difference)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from cdlm_serve.engine.sessions.session import Session
 from cdlm_serve.engine.sessions.store import SessionStore
 from cdlm_serve.models.loading import load_model
 from cdlm_serve.models.transformer import Transformer
+from conftest import running_server
 from cpu_features import ISAS, kernel_build
 
 BF16 = torch.bfloat16
@@ -55,10 +58,15 @@ def isa(request):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Transformer:
+def wide_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("wide-llama")
     tiny_models.wide_llama(folder)
-    model, _ = load_model(folder, dtype=BF16)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(wide_dir) -> Transformer:
+    model, _ = load_model(wide_dir, dtype=BF16)
     return model
 
 
@@ -188,3 +196,75 @@ def test_without_the_mode_a_batch_changes_the_answer(model):
     the comparisons above can see a difference, and the mode is what removes it."""
     params = PARAMS["greedy"]
     assert in_batch(model, params, invariant=False) != alone(model, params, invariant=False)
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+BODIES = {
+    "greedy": {"temperature": 0, "logprobs": 5},
+    "seeded": {"temperature": 0.8, "seed": 7, "logprobs": 5},
+}
+
+
+def _complete(base: str, prompt: list[int], body: dict, **extra) -> dict:
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "wide", "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+        | body
+        | extra,
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _what(response: dict) -> tuple[str, dict]:
+    """What must not change: the text and the logprobs (each token's and its top 5, as the
+    JSON floats the server wrote)."""
+    choice = response["choices"][0]
+    return choice["text"], choice["logprobs"]
+
+
+def _in_concurrent_batch(base: str, body: dict, salt: str) -> dict:
+    """R's response, sent with its 7 neighbours all at once (R third)."""
+    prompts = [p for p, _ in NEIGHBOURS.values()]
+    prompts.insert(2, R)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_complete, base, p, body, cache_salt=salt) for p in prompts]
+        return [f.result() for f in futures][2]
+
+
+def test_over_http_alone_in_a_batch_after_a_cache_hit_and_from_a_restored_session(
+    wide_dir, tmp_path
+):
+    """A server with --batch-invariant (and 512-token prefill steps, where neighbours' prompts
+    share R's steps). Each case has a cache salt of its own: R alone and R in the batch start
+    with an empty prefix cache; the cache-hit case runs W first. The session is created by one
+    server and continued by the next, over the same sessions folder."""
+    args = (
+        "--model", f"wide={wide_dir}", "--device", "cpu", "--dtype", "bfloat16",
+        "--batch-invariant", "--prefill-tokens-per-step", str(PREFILL_TOKENS),
+        "--sessions-dir", str(tmp_path), "--max-batch", "8",
+    )  # fmt: skip
+    want = {}
+    with running_server(*args) as base:
+        for kind, body in BODIES.items():
+            alone = _complete(base, R, body, cache_salt=f"alone-{kind}")
+            assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            want[kind] = _what(alone)
+            batch = _in_concurrent_batch(base, body, f"batch-{kind}")
+            assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert _what(batch) == want[kind], kind
+            _complete(base, W, body, cache_salt=f"hit-{kind}")
+            hit = _complete(base, R, body, cache_salt=f"hit-{kind}")
+            assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+            assert _what(hit) == want[kind], kind
+        assert want["seeded"][0] != want["greedy"][0]  # sampled, not the greedy answer again
+        r = httpx.post(f"{base}/v1/sessions", json={"model": "wide", "id": "s1", "prompt": R[:200]})
+        assert r.status_code == 201, r.text
+    with running_server(*args) as base:  # a new process: the session comes from disk
+        for kind, body in BODIES.items():
+            # A session's completion reports no logprobs (the API refuses them): the text only
+            # here; test_an_answer_is_the_same_bits_alone_and compares a session's logprobs.
+            extra = {k: v for k, v in body.items() if k != "logprobs"}
+            resumed = _complete(base, R[200:], extra, session_id="s1", append=False)
+            assert resumed["choices"][0]["text"] == want[kind][0], kind
