@@ -268,3 +268,93 @@ def test_over_http_alone_in_a_batch_after_a_cache_hit_and_from_a_restored_sessio
             extra = {k: v for k, v in body.items() if k != "logprobs"}
             resumed = _complete(base, R[200:], extra, session_id="s1", append=False)
             assert resumed["choices"][0]["text"] == want[kind][0], kind
+
+
+# ---- the diffusion engine ----------------------------------------------------------------------
+DLM = {"cdlm": "cdlm-student", "fast_dllm": "cdlm-teacher", "vanilla": "cdlm-teacher"}
+
+
+@dataclass(slots=True)
+class Decoded:
+    text: str
+    steps: int
+    logits: list[torch.Tensor]  # each step's block logits [B, V] fp32, in order
+
+
+def _dlm_prompts() -> dict[str, str]:
+    """R (a held-out trace problem) and 3 neighbours of other lengths (10-84 bytes)."""
+    from cdlm_serve.train.tasks import TASKS
+
+    problems = TASKS["trace4"].held_out()[:4]
+    return {
+        "a": problems[0].prompt * 2,
+        "R": problems[2].prompt,
+        "b": problems[1].prompt[:10],
+        "c": problems[3].prompt * 3,
+    }
+
+
+def _decode(decoding: str, names: list[str], invariant: bool) -> Decoded:
+    """R decoded by a shipped model in bf16 beside the named neighbours: "c" joins at the
+    third step, the others together at the first (cdlm admits them in one go). cdlm runs
+    blocks of 32, so that 4 rows' passes (up to 64 tokens each) outgrow FUSED_STEP_TOKENS, as
+    fast_dllm's refreshes and vanilla's passes (prompt and answer, 26-100 tokens) do."""
+    from cdlm_serve.engine.decoding.dlm_engine import DLMEngine, DLMParams
+    from cdlm_serve.train.tokenizer import byte_tokenizer
+
+    model = _shipped(DLM[decoding])
+    engine = DLMEngine(model, byte_tokenizer(), 512, 8, batch_invariant=invariant)
+    logits: list[torch.Tensor] = []
+    engine.on_step = lambda seq, block: logits.append(block.clone()) if seq.id == "R" else None
+    block = 32 if decoding == "cdlm" else 8
+    tokens = 16 if decoding == "vanilla" else 40  # vanilla: a step per token
+    params = DLMParams(max_tokens=tokens, decoding=decoding, block_size=block, ignore_eos=True)
+    prompts = _dlm_prompts()
+    seqs = [engine.new_sequence(n, list(prompts[n].encode()), params) for n in names]
+    text, steps = "", 0
+    for step in range(400):
+        for seq in seqs:
+            if step == (2 if seq.id == "c" else 0):
+                engine.add(seq)
+        for out in engine.step():
+            if out.request_id == "R":
+                text, steps = text + out.text, out.steps
+        if step >= 2 and not engine.has_work():
+            return Decoded(text, steps, logits)
+    raise AssertionError("the engine never finished")
+
+
+_SHIPPED: dict[str, Transformer] = {}
+
+
+def _shipped(name: str) -> Transformer:
+    from cdlm_serve.models.sources import resolve
+
+    if name not in _SHIPPED:
+        _SHIPPED[name] = load_model(resolve(name), dtype=BF16)[0]
+    return _SHIPPED[name]
+
+
+def _same(a: Decoded, b: Decoded) -> bool:
+    return (
+        a.text == b.text
+        and a.steps == b.steps
+        and len(a.logits) == len(b.logits)
+        and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+    )
+
+
+@pytest.mark.parametrize("decoding", DLM)
+def test_a_diffusion_answer_is_the_same_bits_alone_and_in_a_batch(decoding):
+    """Text, steps and every step's block logits (==) of R alone and beside 3 neighbours."""
+    alone = _decode(decoding, ["R"], invariant=True)
+    assert alone.steps >= 2 and alone.text
+    assert _same(_decode(decoding, ["a", "R", "b", "c"], invariant=True), alone)
+
+
+@pytest.mark.parametrize("decoding", DLM)
+def test_without_the_mode_a_diffusion_batch_changes_the_logits(decoding):
+    """The control: without the mode the batch's passes (over 192 tokens together) and cdlm's
+    joint admission of ragged prompts take the padded PyTorch path, and R's logits change."""
+    alone = _decode(decoding, ["R"], invariant=False)
+    assert not _same(_decode(decoding, ["a", "R", "b", "c"], invariant=False), alone)
