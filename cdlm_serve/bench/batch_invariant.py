@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_AR_MODEL)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prefill", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--prefill", type=int, nargs="*", default=[128, 512])  # none: no AR rows
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=384)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -193,10 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print(result: dict, runs: int) -> None:
     print(
-        f"\nbatch-invariant mode, {result['model']} bf16, {result['isa']} kernels, "
-        f"{result['threads']} threads; each client {result['requests_per_client']} greedy "
-        f"requests in a loop ({result['prompt_tokens']}-token prompt, {result['new_tokens']} "
-        f"new tokens); generated tok/s, median of {runs} interleaved runs"
+        f"\nbatch-invariant mode, bf16, {result['isa']} kernels, {result['threads']} threads; "
+        f"each client {result['requests_per_client']} greedy requests in a loop (AR: "
+        f"{result['model']}, {result['prompt_tokens']}-token prompts, {result['new_tokens']} "
+        f"new tokens; diffusion: the shipped models, trace problems); generated tok/s, median "
+        f"of {runs} interleaved runs"
     )
     print(f"{'':18}{'clients':>9}{'off':>9}{'on':>9}{'on/off':>8}   runs off | on")
     for r in result["rows"]:

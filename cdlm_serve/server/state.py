@@ -44,7 +44,7 @@ class ServerSettings:
     heap_trim_seconds: float = 60.0  # malloc_trim period on CPU (engine.heap); 0: off
     quantize: str | None = None  # "int8": Q8_0 weights (models/quantize.py)
     # A row's answer never depends on its batch, chunking or cache (engine ModelRunner).
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
