@@ -64,7 +64,7 @@ class ModelRunner:
     def invariance(self) -> str:
         """Whether batch-invariant mode is on, and if not why, for the start-up log."""
         if not self.batch_invariant:
-            return "off (--batch-invariant not set)"
+            return "off (--batch-invariant 0)"
         if self.model.config.local_layers:
             # The window step takes one token a row: prompts take the PyTorch path.
             return "off (sliding-window layers: their prompts take the PyTorch path)"
