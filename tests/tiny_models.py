@@ -86,6 +86,21 @@ def kernel_llama(folder: Path) -> torch.nn.Module:
     )
 
 
+def wide_llama(folder: Path) -> torch.nn.Module:
+    """`kernel_llama` widened to hidden 1024 (16 heads of 64, 4 KV heads, 2 layers): long sums,
+    so a change in a reduction's order flips bf16 roundings often enough to show in the
+    logprobs (at hidden 128 too few do). A 2K context, for prompts of several hundred tokens."""
+    return hf_tiny(
+        "llama",
+        folder,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        max_position_embeddings=2048,
+    )
+
+
 def _random_llama_layout(cfg: dict, qkv_bias: bool, seed: int) -> dict[str, torch.Tensor]:
     """Canonical (HF Llama-named) random weights for a config dict with HF keys."""
     gen = torch.Generator().manual_seed(seed)

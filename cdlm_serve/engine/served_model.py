@@ -149,10 +149,12 @@ def load_served_model(
     cores: CoreShare | None = None,
     prefix_cache_bytes: int = 0,
     quantize: str | None = None,
+    batch_invariant: bool = False,
 ) -> ServedModel:
     """Load a model and start its engine thread. `prefix_cache_bytes` > 0 turns automatic
     prefix caching on for an AR model, holding at most that many bytes of prompt KV;
-    `quantize="int8"` gives it Q8_0 weights (models/quantize.py)."""
+    `quantize="int8"` gives it Q8_0 weights (models/quantize.py); `batch_invariant` asks for
+    answers that do not depend on the batch (`ModelRunner`; the log says if it holds)."""
     started = time.perf_counter()
     if device.type == "cpu" and kernels.cpu_isa() is not None:
         log.info("%s: building the fused CPU kernels (~30 s the first time, then cached)", name)
@@ -193,7 +195,10 @@ def load_served_model(
     engine: Engine[Any, Any]
     on_step = None
     if ckpt.config.is_diffusion:
-        dlm = DLMEngine(model, tokenizer, limit, max_batch=max_batch)
+        dlm = DLMEngine(
+            model, tokenizer, limit, max_batch=max_batch, batch_invariant=batch_invariant
+        )
+        invariance = dlm.context.runner.invariance()
         if metrics is not None:
             telemetry = metrics  # bound for the lambdas (mypy narrows no closure)
             dlm.scheduler.on_finish = lambda seq: telemetry.observe_dlm_sequence(
@@ -206,11 +211,13 @@ def load_served_model(
         # chunk small enough for the fused step keeps that to a few hundred ms (SmolLM2).
         chunk = prefill_tokens or (512 if device.type == "cuda" else FUSED_PREFILL_TOKENS)
         prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        ar = AREngine(model, tokenizer, limit, max_batch, chunk, prefix)
+        ar = AREngine(model, tokenizer, limit, max_batch, chunk, prefix, batch_invariant)
+        invariance = ar.runner.invariance()
         if metrics is not None:
             telemetry = metrics
             ar.scheduler.on_finish = lambda seq: telemetry.observe_ar_sequence(name, seq)
         engine = ar
+    log.info("%s: batch-invariant %s", name, invariance)
     thread = EngineThread(name, engine, max_queue, on_step=on_step, cores=share)
     log.info(
         "loaded %s from %s on %s/%s in %.1fs",

@@ -43,6 +43,8 @@ class ServerSettings:
     prefix_cache_bytes: int = 512 << 20  # per AR model (automatic prefix caching); 0: off
     heap_trim_seconds: float = 60.0  # malloc_trim period on CPU (engine.heap); 0: off
     quantize: str | None = None  # "int8": Q8_0 weights (models/quantize.py)
+    # A row's answer never depends on its batch, chunking or cache (engine ModelRunner).
+    batch_invariant: bool = True
     api_key: str | None = None
     sessions_dir: Path | None = None  # default: $CDLM_SERVE_HOME/sessions
     session_memory_bytes: int = 2 << 30
@@ -106,6 +108,7 @@ class ServerState:
                     self.cores,
                     s.prefix_cache_bytes,
                     s.quantize,
+                    s.batch_invariant,
                 )
                 # The grammar engine's tokenizer too, so that no request's first structured
                 # output holds the event loop while it is built.

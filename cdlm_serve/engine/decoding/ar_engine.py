@@ -110,13 +110,15 @@ class AREngine(ScheduledEngine[ARSequence]):
         max_batch: int = 8,
         prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
         prefix_cache: PrefixCache | None = None,
+        batch_invariant: bool = False,
     ):
         self.model = model
         # Automatic prefix caching (engine.decoding.prefix_cache); None turns it off. Off for models
         # with sliding-window layers: it keeps blocks of global slots, not the ring a block's
         # window needs (`models.window_cache`).
         self.prefix_cache = None if model.config.local_layers else prefix_cache
-        self.runner = ModelRunner(model)
+        # Batch-invariant: a row's bits never depend on its neighbours (`ModelRunner`).
+        self.runner = ModelRunner(model, batch_invariant)
         self.prefill_tokens = prefill_tokens
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

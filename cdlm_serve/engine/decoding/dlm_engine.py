@@ -73,6 +73,7 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         max_batch: int = 8,
         default_block_size: int | None = None,
         default_threshold: float | None = None,
+        batch_invariant: bool = False,
     ):
         cfg = model.config
         if cfg.mask_token_id is None:
@@ -110,7 +111,7 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
         # Called with (sequence, block logits [B, V]) at every step; for tests and tracing.
         self.on_step: Callable[[DLMSequence, Tensor], None] | None = None
         self.context = DecodeContext(
-            runner=ModelRunner(model),
+            runner=ModelRunner(model, batch_invariant),  # a block's bits never its batch's
             mask_id=self.mask_id,
             shift=self.shift,
             schedule=self.schedule,

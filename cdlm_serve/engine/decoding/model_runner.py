@@ -4,6 +4,15 @@ or the PyTorch path, padded per run of rows. The choice is made here, once per c
 (whether its fused stack exists: built once per model, toggled only by tests and benches) and
 the call's shape (`FUSED_PREFILL_TOKENS`, `FUSED_STEP_TOKENS`); neither path is tried and
 fallen back from. `Transformer` stays the model: a forward over [B, Q] tokens and its cache.
+
+Batch-invariant mode (`batch_invariant`, `--batch-invariant`): every call the fused step can
+take goes through it, whatever its shape. The fused step gives a token the same bits whatever
+else the call holds: each linear sums a row's K in one fixed order for any number of rows
+(`linear_packed_bf16`, `linear_q8`), and attention is one (query, head) task over the row's own
+slots in fixed key blocks (`attend_rows`). So a row's answer no longer depends on its batch
+neighbours, on where its prompt was cut into chunks, or on whether its prefix came from the
+prefix cache or a session file (their K/V were computed by the same kernels). The PyTorch path
+is not invariant: its GEMMs and SDPA pick their splits from the shapes.
 """
 
 from __future__ import annotations
@@ -37,12 +46,31 @@ Chunks = Sequence[tuple[int, Sequence[int]]]  # (cache row, token ids) pairs, ro
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # asked for; `invariance` says if it holds
 
     def stack(self) -> Any | None:
         """The model's fused step, or None where it does not apply (GPU, fp32, kernels off)."""
         return kernels.decode_stack(self.model)
+
+    def invariant_stack(self) -> Any | None:
+        """The fused step when batch-invariant mode is asked for and holds: every call goes
+        through it then. None when not asked, or where it cannot hold (`invariance`)."""
+        if not self.batch_invariant or self.model.config.local_layers:
+            return None
+        return self.stack()
+
+    def invariance(self) -> str:
+        """Whether batch-invariant mode is on, and if not why, for the start-up log."""
+        if not self.batch_invariant:
+            return "off (--batch-invariant 0)"
+        if self.model.config.local_layers:
+            # The window step takes one token a row: prompts take the PyTorch path.
+            return "off (sliding-window layers: their prompts take the PyTorch path)"
+        if self.invariant_stack() is None:
+            return "off (no fused CPU step here: a GPU, float32, or kernels off)"
+        return f"on (every step through the fused {kernels.active_isa()} step)"
 
     # ---- autoregressive steps ------------------------------------------------------------
     def extend(self, chunks: Chunks, cache: KVCache) -> Tensor:
@@ -58,7 +86,11 @@ class ModelRunner:
         One id is a decode step, several are a prompt (causal within itself, after the row's
         committed slots). The fused step takes them all in one call where it applies and the
         prompts are short enough (`FUSED_PREFILL_TOKENS` together); elsewhere the PyTorch path
-        runs one forward per run of consecutive rows of one kind (decode steps, or prompts)."""
+        runs one forward per run of consecutive rows of one kind (decode steps, or prompts).
+        In batch-invariant mode the fused step takes every call."""
+        invariant = self.invariant_stack()
+        if invariant is not None:
+            return self.fused_step_tokens(invariant, chunks, cache)
         prompts = sum(len(tokens) for _, tokens in chunks if len(tokens) > 1)
         stack = self.stack()
         # A sliding-window model's fused step takes decode steps only: its window bias is a
@@ -108,7 +140,11 @@ class ModelRunner:
     # ---- any new tokens ------------------------------------------------------------------
     def fits_fused_pass(self, tokens: int) -> Any | None:
         """The fused step for a diffusion pass of `tokens` new tokens (all rows), or None if
-        the PyTorch path is the one for it (`FUSED_STEP_TOKENS`)."""
+        the PyTorch path is the one for it (`FUSED_STEP_TOKENS`; in batch-invariant mode any
+        pass is fused: a block is never split across calls, it is bidirectional)."""
+        invariant = self.invariant_stack()
+        if invariant is not None:
+            return invariant
         if tokens > FUSED_STEP_TOKENS or self.model.config.local_layers:
             return None
         return self.stack()

@@ -7,6 +7,7 @@ seeing the new one, so its K/V are what a separate pass would give."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,10 @@ class Cdlm(DecodingMode):
         runner, device = ctx.runner, ctx.runner.device
         needed = max(len(s.prompt) + s.gen_len + 2 * s.block_size for s in seqs)
         cache = ctx.cache(self.name, needed)
+        stack = runner.invariant_stack()
+        if stack is not None:
+            _admit_fused(ctx, stack, seqs)
+            return
         width = max(len(s.prompt) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(seqs), width, dtype=torch.bool, device=device)
@@ -81,6 +86,25 @@ class Cdlm(DecodingMode):
 
     def next_block(self, seq: DLMSequence) -> None:
         seq.state.commit_previous_block = True
+
+
+def _admit_fused(ctx: DecodeContext, stack: Any, seqs: list[DLMSequence]) -> None:
+    """`Cdlm.admit` in batch-invariant mode: each prompt alone through the fused step, one
+    bidirectional block (every prompt token sees the whole prompt), so its K/V are the same
+    bits whoever was admitted with it."""
+    runner, cache = ctx.runner, ctx.cache(Cdlm.name, 0)
+    for s in seqs:
+        cache.reset(s.row)
+        n = len(s.prompt)
+        ids = s.tokens[:n].tolist()
+        hidden = runner.fused_tokens(stack, ids, [s.row] * n, range(n), [n] * n, cache)  # [n, h]
+        counts = [0] * cache.batch
+        counts[s.row] = n
+        cache.commit(counts)
+        ctx.count_forward()
+        s.steps += 1  # reported steps are forward passes, the prefill included
+        if ctx.shift:
+            s.first_logits = runner.logits(hidden[n - 1]).float()
 
 
 def _block_causal_reach(p: BlockPass, base: int, n: int) -> list[int]:
