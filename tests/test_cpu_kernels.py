@@ -497,9 +497,11 @@ def test_fused_dlm_steps_decode_like_the_pytorch_path(decoding, shipped):
     assert all(fast_calls) and len(fast_calls) >= passes - len(problems), (len(fast_calls), passes)
     assert not ref_calls
     pairs = list(zip(fast, ref, strict=True))
-    assert sum(a == b for a, b in pairs) >= 7, pairs
+    # All but one answer alike (a near-tied bf16 logit may flip one), all but two right.
+    assert sum(a == b for a, b in pairs) >= len(problems) - 1, pairs
     assert abs(sum(fast_steps) - sum(ref_steps)) <= 2
-    assert sum(exact_match(t, ex.answer) for t, ex in zip(fast, problems, strict=True)) >= 6
+    right = sum(exact_match(t, ex.answer) for t, ex in zip(fast, problems, strict=True))
+    assert right >= len(problems) - 2
 
 
 @pytest.mark.parametrize("dim", [64, 128])
