@@ -206,7 +206,8 @@ def continuation_ids(
         raise _refuse("input is empty: a continuation needs at least one message")
     marker = f"<<{uuid.uuid4().hex}>>"
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
-    fmt = format_for(served.chat_template, served.config.family)
+    # The form new tools are shown in: the one the model calls in (none shown: no matter).
+    fmt = format_for(served.chat_template, served.config.family) if turn.tools else HERMES
     text = _render(served, probe + turn.after(stored_instructions, stored_tools, fmt))
     _, found, after = text.partition(marker)
     if not found or marker in after:
