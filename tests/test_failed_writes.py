@@ -173,11 +173,7 @@ def test_a_response_that_cannot_be_stored_is_not_stored(server, store):
     before = tree_snapshot(store)
     with disk_full(proc):
         _full(_post(base, "/v1/responses", body))
-        with httpx.stream(
-            "POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120
-        ) as stream:
-            kinds = [line.removeprefix("event: ") for line in stream.iter_lines()]
-            kinds = [kind for kind in kinds if kind.startswith("response.") or kind == "error"]
+        kinds = _streamed_kinds(base, body)
         assert kinds[-1] == "error" and "response.completed" not in kinds
     assert tree_snapshot(store) == before
     first = _post(base, "/v1/responses", body)
@@ -222,10 +218,7 @@ def test_a_function_call_round_trip_that_cannot_be_stored_is_not_stored(server, 
     (base, proc), before, listed = server, tree_snapshot(store), _listed(server[0])
     with disk_full(proc):
         _full(_post(base, "/v1/responses", body))
-        with httpx.stream(
-            "POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120
-        ) as stream:
-            kinds = [line.removeprefix("event: ") for line in stream.iter_lines()]
+        kinds = _streamed_kinds(base, body)
         assert "error" in kinds and "response.completed" not in kinds
         assert "response.output_item.added" in kinds  # the call was streamed, not stored
     assert tree_snapshot(store) == before and _listed(base) == listed  # not even in memory
@@ -250,6 +243,15 @@ def test_a_function_call_round_trip_that_cannot_be_stored_is_not_stored(server, 
     r = _post(base, "/v1/responses", follow)
     assert r.status_code == 200, r.text
     assert _contents(r.json()) == _contents(unstored)
+
+
+def _streamed_kinds(base: str, body: dict) -> list[str]:
+    """The event types of a streamed Responses request, in order (errors included)."""
+    with httpx.stream(
+        "POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120
+    ) as stream:
+        kinds = [line.removeprefix("event: ") for line in stream.iter_lines()]
+    return [kind for kind in kinds if kind.startswith("response.") or kind == "error"]
 
 
 def _listed(base: str) -> list[str]:
