@@ -173,3 +173,21 @@ def test_the_subsystem_rule_sees_a_module_reached_inside():
     graph["server.chat"] = graph["server.chat"] | {"engine.compaction.row"}
     graph["bench.compaction"] = graph["bench.compaction"] | {"engine.compaction.row"}
     assert _reaching_inside(graph) == {("server.chat", "engine.compaction.row")}
+
+
+def test_the_server_imports_no_compiler():
+    """Every server start (and every test that starts one) pays for what the server imports:
+    torch's compiler (dynamo and inductor) costs ~4 s there, for nothing the server calls. It
+    came in once through llguidance's torch helpers, which compile a kernel when imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cdlm_serve.server.app, cdlm_serve.engine.decoding.grammar\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._inductor')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout[:500]

@@ -326,14 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from cdlm_serve.engine.heap import limit_arenas
-    from cdlm_serve.server.app import create_app
-    from cdlm_serve.server.state import ServerSettings
-
-    specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
+def refuse_bad_flags(args: argparse.Namespace) -> None:
+    """Exit with a line naming the flag for a value no server can run with: before anything
+    heavy is imported or loaded, so a typo costs a second, not a model load."""
     if args.api_key is not None and not args.api_key.strip():
         sys.exit(
             "cdlm-serve: the API key (--api-key or CDLM_SERVE_API_KEY) is empty; give a real "
@@ -351,13 +346,24 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit("cdlm-serve: --responses-ttl-hours must be >= 0 (0 = until deleted)")
     if args.malloc_arenas < 0:
         sys.exit("cdlm-serve: --malloc-arenas must be >= 0 (0 = glibc's default)")
-    limit_arenas(args.malloc_arenas)  # now: before uvicorn, the engines and OpenMP start threads
     if args.heap_trim_seconds < 0:
         sys.exit("cdlm-serve: --heap-trim-seconds must be >= 0 (0 = never)")
     if args.prefix_cache_mb < 0:
         sys.exit("cdlm-serve: --prefix-cache-mb must be >= 0 (0 keeps nothing)")
     if args.sessions_disk_gb < 0:
         sys.exit("cdlm-serve: --sessions-disk-gb must be >= 0 (0 = no quota)")
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from cdlm_serve.engine.heap import limit_arenas
+    from cdlm_serve.server.app import create_app
+    from cdlm_serve.server.state import ServerSettings
+
+    refuse_bad_flags(args)
+    limit_arenas(args.malloc_arenas)  # now: before uvicorn, the engines and OpenMP start threads
+    specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
     device = pick_device(args.device)
     os.environ[kernels.ISA_ENV] = args.cpu_isa  # what models.kernels builds and uses
     if device.type == "cpu" and args.cpu_isa not in ("native", kernels.cpu_isa()):
@@ -423,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
         # flags that does (in groups, each with its environment variable).
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        refuse_bad_flags(args)
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "fetch":
         for name in args.models:

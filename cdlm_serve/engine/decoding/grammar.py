@@ -25,7 +25,7 @@ from typing import Any, Literal
 import llguidance
 import llguidance.gbnf_to_lark
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 from torch import Tensor
 
@@ -147,15 +147,17 @@ class Grammars:
 def next_token_bitmasks(matchers: list[Any], vocab: int) -> Tensor:
     """Each matcher's tokens allowed next, as llguidance's bitmask [len(matchers), ceil(V/32)]
     int32 on the CPU (bit b of word w: token 32w + b), filled together on llguidance's
-    threads (without the GIL: `MaskFill` runs it beside the forward pass)."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)  # [k, W]
+    threads (without the GIL: `MaskFill` runs it beside the forward pass). Through llguidance's
+    numpy helpers: its torch module compiles a kernel with `torch.compile` when imported, which
+    loads dynamo and inductor (~5 s of every server start) for a function this never calls."""
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab)  # [k, W]
     if len(matchers) == 1:
-        llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
+        llguidance.numpy.fill_next_token_bitmask(matchers[0], bitmask)
     else:
-        llguidance.torch.fill_next_token_bitmask_par(
+        llguidance.numpy.fill_next_token_bitmask_par(
             _executor(), [(m, i) for i, m in enumerate(matchers)], bitmask
         )
-    return bitmask
+    return torch.from_numpy(bitmask)  # the same memory
 
 
 def allowed_tokens(matchers: list[Any], vocab: int, device: torch.device) -> Tensor:
