@@ -76,7 +76,7 @@ def kvpress_version() -> str:
 def _raw_kvzip(kp: Any, ratio: float, layerwise: bool = False) -> Any:
     """KVzip on a raw context (no chat-template prefix to skip, see the module doc)."""
 
-    class RawKVzipPress(kp.KVzipPress):  # type: ignore[misc, name-defined]
+    class RawKVzipPress(kp.KVzipPress):  # type: ignore[misc]
         def prepare(self, model: Any, tokenizer: Any, prev_postfix_size: int = 8) -> Any:
             # _perform_kvzip_compression calls prepare() before it sets start_idx from it
             self.prefix_length = 0
@@ -131,9 +131,10 @@ def load_hf(folder: Path, dtype: torch.dtype) -> Any:
     _kvpress()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, attn_implementation="sdpa"
-    ).eval()
+    )
+    return model.eval()
 
 
 @dataclass(slots=True)
