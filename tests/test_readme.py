@@ -49,7 +49,10 @@ def test_the_quick_start_commands_are_the_real_ones():
     commands = [code.strip() for code, expect in _blocks() if not expect]
     assert commands[0] == "pip install -e . && cdlm-serve"
     assert 'cdlm-serve = "cdlm_serve.server.cli:main"' in (REPO / "pyproject.toml").read_text()
-    test_command = "pip install -e '.[dev]' && python -m pytest -q"
+    test_command = (
+        "pip install -e '.[dev,kvpress]' && pip install --no-deps kvpress==0.5.5"
+        " && python -m pytest -q"
+    )
     assert test_command in commands
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == test_command

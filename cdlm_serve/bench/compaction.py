@@ -5,6 +5,9 @@
                                           [--timing-runs 3]
     python -m cdlm_serve.bench.compaction --layer-loss [--methods am-omp] [--ratios 10]
                                           [--json out.json]
+    python -m cdlm_serve.bench.compaction --peer kvpress [--peer-presses snapkv kvzip ...]
+        (kvpress's presses beside ours, rows `kvpress:<press>`; needs
+         pip install -e '.[kvpress]' && pip install --no-deps kvpress==0.5.5)
 
 Each context is a window of Jane Austen (2K-6K tokens; `--text FILE` or `--text python-reference`
 for another text) with
@@ -30,6 +33,12 @@ variants banded repeat queries (`repeat-banded`), and am-highest ranks its keys 
 own queries (`key_queries`: +ctxkeys / +refkeys to choose); KVzip-style uses repeat queries;
 SnapKV, H2O and Expected Attention score keys with the context's own queries; streaming and
 random use none.
+
+`--peer kvpress` adds NVIDIA's kvpress presses as rows `kvpress:<press>` (bench/kvpress_peer.py):
+the same context prefilled by transformers and compressed by the press as kvpress ships it, to
+the same physical size round(T / ratio) per KV head, the whole context (kvpress keeps no exact
+recent window unless the press does, as SnapKV's and StreamingLLM's do), then measured by our
+model on the same questions. Their compaction seconds exclude transformers' own prefill.
 
 `--layer-loss` asks where a method's loss comes from: the context compacted by the first of
 `--methods`, then measured with only one layer compacted (the others exact; the compacted layer's
@@ -60,6 +69,7 @@ from pathlib import Path
 
 import torch
 
+from cdlm_serve.bench import kvpress_peer
 from cdlm_serve.bench.facts import (
     RECON_INSTRUCTION,
     Probe,
@@ -333,6 +343,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "own queries / by the reference ones); the default source per method is the one its "
         "paper uses, and both am-highest variants rank their keys by the context's queries",
     )
+    p.add_argument(
+        "--peer",
+        choices=["kvpress"],
+        help="add another library's methods as rows: kvpress's presses as kvpress:<press> "
+        "(bench/kvpress_peer.py, which says how to install it)",
+    )
+    p.add_argument(
+        "--peer-presses",
+        nargs="+",
+        default=list(kvpress_peer.DEFAULT_PRESSES),
+        choices=list(kvpress_peer.PRESSES),
+        help="the kvpress presses --peer kvpress runs (also: kvpress:<press> in --methods)",
+    )
     p.add_argument("--keep-recent", type=int, default=64)
     p.add_argument("--recon-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -367,6 +390,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="print (and with --json write) the tables of earlier runs' --json files, run nothing",
     )
     args = p.parse_args(argv)
+    if args.peer == "kvpress":
+        args.methods += [kvpress_peer.PREFIX + name for name in args.peer_presses]
+    peers = [m for m in args.methods if kvpress_peer.is_peer(m)]
+    for m in peers:
+        kvpress_peer.press_name(m)  # an unknown press fails here, not after the first context
+    if peers and (args.timing or args.layer_loss):
+        raise SystemExit("kvpress rows are measured in the fidelity mode only")
     if args.summarize:
         rows = [r for f in args.summarize for r in json.loads(f.read_text())["rows"]]
         methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -385,6 +415,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         kernels.enable_cpu_kernels()
     if args.timing:
         return run_timing(model, tok, args)
+    hf = kvpress_peer.load_hf(folder, getattr(torch, args.dtype)) if peers else None
     text = _text(args.text)
     rng = random.Random(args.seed)
     rows: list[dict] = []
@@ -413,13 +444,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # once per source (on-policy ones depend on the fit and are captured each time).
         # (The context queries that rank keys, a sample re-read from the row, each compaction
         # reads itself: `engine.compaction.row.context_key_queries`.)
-        sources = {_parts(m).source for m in args.methods}
+        sources = {_parts(m).source for m in args.methods if not kvpress_peer.is_peer(m)}
         captured = {
             src: list(reference_queries(model, tok, full, 0, ids, src))
             for src in sorted(sources - {"on-policy"})
         }
         base_none = measure(model, None, probe, em=False, start=start)
         base_full = measure(model, full, probe, em=True)
+        hf_prefill_s = kvpress_peer.prefill_seconds(hf, ids) if hf is not None else 0.0
         print(
             f"context {c}: {len(ids)} tokens, {len(facts)} facts, prefill {prefill_s:.1f}s; "
             f"fact NLL none {base_none['facts']:.2f} full {base_full['facts']:.2f}, "
@@ -439,8 +471,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if target >= region:
                 continue
             for method in args.methods:
-                cache = full.extract_row(0)
-                report = _compact(model, tok, cache, ids, target, method, args, captured)
+                if kvpress_peer.is_peer(method):
+                    # the same physical size, the whole context compressed (module doc)
+                    kept_slots = target + args.keep_recent
+                    cache, report = kvpress_peer.compact(hf, full, ids, kept_slots, method)
+                    wall = report.seconds["total"]
+                    # one plain prefill per context, subtracted: noisy on a busy machine
+                    report.seconds = {
+                        "total": max(0.0, wall - hf_prefill_s),
+                        "with_prefill": wall,
+                        "prefill": hf_prefill_s,
+                    }
+                else:
+                    cache = full.extract_row(0)
+                    report = _compact(model, tok, cache, ids, target, method, args, captured)
                 got = measure(model, cache, probe, em=True)
                 row = {
                     "context": c,
