@@ -149,7 +149,7 @@ def next_token_bitmasks(matchers: list[Any], vocab: int) -> Tensor:
     int32 on the CPU (bit b of word w: token 32w + b), filled together on llguidance's
     threads (without the GIL: `MaskFill` runs it beside the forward pass). Through llguidance's
     numpy helpers: its torch module compiles a kernel with `torch.compile` when imported, which
-    loads dynamo and inductor (~5 s of every server start) for a function this never calls."""
+    loads dynamo and inductor (~4 s of every server start) for a function this never calls."""
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab)  # [k, W]
     if len(matchers) == 1:
         llguidance.numpy.fill_next_token_bitmask(matchers[0], bitmask)
