@@ -239,6 +239,13 @@ def tiny_ar_and_dlm_server(tmp_path_factory, tiny_llama_4k_dir) -> Iterator[str]
         yield base
 
 
+def series_sum(base: str, name: str, *labels: str) -> float:
+    """The sum over the server's /metrics series `name` whose labels contain all `labels`."""
+    text = httpx.get(f"{base}/metrics").text
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+    return sum(float(ln.split()[-1]) for ln in lines if all(lb in ln for lb in labels))
+
+
 def tiny_session_server(model_dir: Path, sessions_dir: Path, *extra: str):
     """A server of the tiny model `tiny` (fp32, CPU) keeping its sessions in `sessions_dir`."""
     return running_server(

@@ -11,7 +11,7 @@ import pytest
 
 import tiny_models
 from cdlm_serve.engine.decoding.text_output import TextAssembler
-from conftest import running_server
+from conftest import running_server, series_sum
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_bad_diffusion_options(base, extra, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_metrics_expose_dlm_series(base):
+def test_metrics_expose_dlmseries_sum(base):
     _post(base, {"model": "llada", **REQ})
     text = httpx.get(f"{base}/metrics").text
     for series in (
@@ -206,33 +206,27 @@ def test_bad_release_options_get_a_clear_400(base, extra, param):
     assert param in json.dumps(r.json()["error"])
 
 
-def _series(base: str, name: str, *labels: str) -> float:
-    text = httpx.get(f"{base}/metrics").text
-    lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
-    return sum(float(ln.split()[-1]) for ln in lines if all(lb in ln for lb in labels))
-
-
 def test_steps_per_block_histogram_counts_each_block(base):
     """16 tokens in blocks of 8 on a fixed schedule of 8 steps: two blocks of 4 steps each."""
     labels = ('model_name="llada"', 'decoding="vanilla"')
-    count = _series(base, "cdlm_serve:dlm_steps_per_block_count", *labels)
-    total = _series(base, "cdlm_serve:dlm_steps_per_block_sum", *labels)
+    count = series_sum(base, "cdlm_serve:dlm_steps_per_block_count", *labels)
+    total = series_sum(base, "cdlm_serve:dlm_steps_per_block_sum", *labels)
     body = {"model": "llada", "prompt": "a", "max_tokens": 16, "ignore_eos": True}
     r = _post(base, {**body, "block_size": 8, "steps": 8, "decoding": "vanilla"})
     assert r.status_code == 200 and r.json()["usage"]["steps"] == 8
-    assert _series(base, "cdlm_serve:dlm_steps_per_block_count", *labels) == count + 2
-    assert _series(base, "cdlm_serve:dlm_steps_per_block_sum", *labels) == total + 8
+    assert series_sum(base, "cdlm_serve:dlm_steps_per_block_count", *labels) == count + 2
+    assert series_sum(base, "cdlm_serve:dlm_steps_per_block_sum", *labels) == total + 8
 
 
 def test_vllm_diffusion_counters_count_steps_and_committed_tokens(base):
     """vLLM's names: 16 tokens in blocks of 8 on a fixed schedule of 8 steps, to the end
     (ignore_eos): 8 denoising steps that commit all 16 answer positions."""
     label = 'model_name="llada"'
-    steps = _series(base, "cdlm_serve:diffusion_num_denoising_steps_total", label)
-    committed = _series(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
+    steps = series_sum(base, "cdlm_serve:diffusion_num_denoising_steps_total", label)
+    committed = series_sum(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
     body = {"model": "llada", "prompt": "a", "max_tokens": 16, "ignore_eos": True}
     r = _post(base, {**body, "block_size": 8, "steps": 8, "decoding": "vanilla"})
     assert r.status_code == 200 and r.json()["usage"]["steps"] == 8
-    assert _series(base, "cdlm_serve:diffusion_num_denoising_steps_total", label) == steps + 8
-    committed_now = _series(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
+    assert series_sum(base, "cdlm_serve:diffusion_num_denoising_steps_total", label) == steps + 8
+    committed_now = series_sum(base, "cdlm_serve:diffusion_num_committed_tokens_total", label)
     assert committed_now == committed + 16

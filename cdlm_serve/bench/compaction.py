@@ -474,14 +474,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if kvpress_peer.is_peer(method):
                     # the same physical size, the whole context compressed (module doc)
                     kept_slots = target + args.keep_recent
-                    cache, report = kvpress_peer.compact(hf, full, ids, kept_slots, method)
-                    wall = report.seconds["total"]
-                    # one plain prefill per context, subtracted: noisy on a busy machine
-                    report.seconds = {
-                        "total": max(0.0, wall - hf_prefill_s),
-                        "with_prefill": wall,
-                        "prefill": hf_prefill_s,
-                    }
+                    cache, report = kvpress_peer.compact(
+                        hf, full, ids, kept_slots, method, hf_prefill_s
+                    )
                 else:
                     cache = full.extract_row(0)
                     report = _compact(model, tok, cache, ids, target, method, args, captured)
