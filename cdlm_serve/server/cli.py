@@ -355,13 +355,15 @@ def refuse_bad_flags(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Serve `args` (`main` has refused bad flags before anything heavy was imported)."""
+    """Serve `args`. Bad flags are refused here too, for callers other than `main` (which
+    refuses them before the heavy imports)."""
     import uvicorn
 
     from cdlm_serve.engine.heap import limit_arenas
     from cdlm_serve.server.app import create_app
     from cdlm_serve.server.state import ServerSettings
 
+    refuse_bad_flags(args)
     limit_arenas(args.malloc_arenas)  # now: before uvicorn, the engines and OpenMP start threads
     specs = args.model or (_env("MODEL") or DEFAULT_MODELS).split(",")
     device = pick_device(args.device)
