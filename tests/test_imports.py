@@ -175,19 +175,27 @@ def test_the_subsystem_rule_sees_a_module_reached_inside():
     assert _reaching_inside(graph) == {("server.chat", "engine.compaction.row")}
 
 
-def test_the_server_imports_no_compiler():
-    """Every server start (and every test that starts one) pays for what the server imports:
-    torch's compiler (dynamo and inductor) costs ~4 s there, for nothing the server calls. It
-    came in once through llguidance's torch helpers, which compile a kernel when imported."""
+def test_a_server_start_imports_no_compiler_and_no_solver(smollm2_dir):
+    """Every server start (and every test that starts one) pays for what the server imports.
+    Loading the default model, as a start does, imports neither torch's compiler (dynamo,
+    inductor: ~4 s, for nothing the server calls) nor SciPy's solvers (~1.5 s, for a
+    compaction's rare fallback). They came in through llguidance's torch helpers (which compile
+    a kernel when imported), through drawing random initial weights on the meta device (its
+    fills run through torch._refs, which load dynamo), through AutoTokenizer reading the
+    model's config (its configuration module imports torch.distributed and dynamo), and
+    through the NNLS module's import of SciPy."""
     import subprocess
     import sys
 
     code = (
-        "import sys, cdlm_serve.server.app, cdlm_serve.engine.decoding.grammar\n"
-        "print(sorted(m for m in sys.modules if m.startswith('torch._inductor')))"
+        "import sys, torch, cdlm_serve.server.app, cdlm_serve.engine.decoding.grammar\n"
+        "from cdlm_serve.engine.served_model import load_served_model\n"
+        f"load_served_model('m', {str(smollm2_dir)!r}, torch.device('cpu'), torch.bfloat16)\n"
+        "heavy = ('torch._dynamo', 'torch._inductor', 'scipy.optimize')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout[:500]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]

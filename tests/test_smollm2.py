@@ -167,16 +167,17 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
     """A compaction works on the session's own cache, its fits on a thread of their own and
     its model work in pieces between decode steps: a stream of the same model barely notices
     it. Its waits for a token during the compaction are measured against its waits alone, in
-    the same test: p99 within 3x, and none over a second (a compaction run as one job on the
-    engine thread stalled the stream for all of it)."""
+    the same test: the median within 4x (plus 50 ms), and none over a second (a compaction run
+    as one job on the engine thread stalled the stream for all of it). The tail is the bench's
+    (`bench.compaction_stall`): the p99 of ~100 waits on 2 shared cores is a machine's noise."""
     base = default_server
-    text = " ".join(PROMPTS[:2]) + " " + "It was a truth universally acknowledged. " * 160
+    text = " ".join(PROMPTS[:2]) + " " + "It was a truth universally acknowledged. " * 80
     r = httpx.post(
         f"{base}/v1/sessions",
         json={"model": SMOLLM2.name, "id": "long", "prompt": text},
-        timeout=120,  # a 1.5K-token prefill: more than httpx's 5 s on a loaded machine
+        timeout=120,  # a 600-token prefill: more than httpx's 5 s on a loaded machine
     )
-    assert r.status_code == 201 and r.json()["tokens"] > 1000
+    assert r.status_code == 201 and r.json()["tokens"] > 500
     done = threading.Event()
     window: dict[str, float] = {}
 
@@ -211,10 +212,13 @@ def test_a_stream_keeps_receiving_tokens_while_its_model_compacts_a_session(defa
         f"{statistics.median(during) * 1e3:.0f} ms, p99 {_p99(during) * 1e3:.0f} ms, "
         f"max {max(during) * 1e3:.0f} ms"
     )
-    # 3x plus 0.1 s: on 2 cores the fits take one core from the stream, and the p99 of ~100
-    # waits is their second longest, which the machine's noise moves (87 and 156 ms in two runs
-    # of one commit, alone 50 ms both); pieces held 0.2 s longer on the engine thread give 427.
-    assert _p99(during) <= 3 * _p99(base_gaps) + 0.1, (_p99(during), _p99(base_gaps))
+    # The median, not the p99: on 2 cores the fits take one core from the stream, and the p99
+    # of ~100 waits is their second longest, which the machine's noise moves (a CI run saw 309
+    # ms against 64 alone, where this machine saw 87-185). The stream's steps take turns with
+    # the compaction's pieces, so each wait holds about one piece: the median (55 ms against 14
+    # alone here) moves with the pieces' length, and pieces held 0.2 s longer put it past 0.2 s.
+    p50, p50_alone = statistics.median(during), statistics.median(base_gaps)
+    assert p50 <= 4 * p50_alone + 0.05, (p50, p50_alone)
     assert max(during) <= 1.0, max(during)
     httpx.delete(f"{base}/v1/sessions/long").raise_for_status()
 

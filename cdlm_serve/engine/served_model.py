@@ -111,11 +111,20 @@ def load_tokenizer(folder: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(folder.parent), gguf_file=folder.name)
     config = folder / "config.json"
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if model_type is not None and model_type not in CONFIG_MAPPING:
-        # A format transformers does not know (LLaDA, Dream: we load those natively). Its
-        # tokenizer files say everything; reading config.json would only warn about its type.
+    if (model_type is not None and model_type not in CONFIG_MAPPING) or _names_its_class(folder):
+        # Its tokenizer files say everything. Reading config.json would only warn about a type
+        # transformers does not know (LLaDA, Dream: we load those natively), or, for one it
+        # knows, import that model's configuration module, which pulls in torch.distributed
+        # and torch's compiler: ~2.5 s of every server start, for a class the files name.
         return AutoTokenizer.from_pretrained(str(folder), config=PretrainedConfig())
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _names_its_class(folder: Path) -> bool:
+    """Whether the folder's tokenizer_config.json names the tokenizer's class (then
+    AutoTokenizer needs nothing from the model's config to choose it)."""
+    path = folder / "tokenizer_config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("tokenizer_class"))
 
 
 def _quantization(

@@ -69,6 +69,16 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no random values on the meta device (a model built to be
+    loaded, `models.loading.build_model`): there are none to draw, and its normal fill on meta
+    runs through torch._refs, which imports torch's compiler (~2 s of every server start)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(
         self,

@@ -26,7 +26,7 @@ from cdlm_serve.models.attention import (
 )
 from cdlm_serve.models.config import ModelConfig
 from cdlm_serve.models.kv_cache import KVCache
-from cdlm_serve.models.layers import Block, Linear, Pace, RMSNorm
+from cdlm_serve.models.layers import Block, Embedding, Linear, Pace, RMSNorm
 from cdlm_serve.models.rope import RotaryTable, inverse_frequencies
 from cdlm_serve.models.window_cache import WindowCache
 
@@ -50,9 +50,7 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
-        )
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             Block(cfg, device, dtype, layer) for layer in range(cfg.num_layers)
         )

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 from torch import Tensor
 
 
@@ -25,6 +24,10 @@ def nonnegative_weights(a: Tensor, m: Tensor) -> Tensor:
     gram, rhs = a64.T @ a64, a64.T @ m64  # [t, t], [t]
     w = scaled_gram_nnls(gram, rhs)
     if w is None:
+        # Imported here: scipy.optimize costs ~1.5 s at every server start, for a fallback
+        # that few compactions reach.
+        from scipy.optimize import nnls
+
         r, c = _reduced(a64, m64, gram, rhs)
         w_np, _ = nnls(r.numpy(), c.numpy(), maxiter=50 * a.shape[1] + 100)
         w = torch.from_numpy(np.asarray(w_np))
