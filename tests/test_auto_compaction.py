@@ -213,6 +213,7 @@ def test_a_session_without_a_policy_never_compacts_itself(tiny_llama_dir, tmp_pa
         ({"ratio": 4}, "max_tokens"),
         # The tiny model has no measured schedule: refused at creation, not in the background.
         ({"max_tokens": 160, "ratio": 4, "budgets": "measured"}, "schedule"),
+        ({"max_tokens": 160, "ratio": 4, "method": "am-highest", "budgets": "global"}, "scores"),
     ],
 )
 def test_bad_policies_are_refused_with_the_param(tiny_server_sessions, policy, says):

@@ -619,6 +619,26 @@ def test_am_h2o_keeps_original_keys_and_values_ranked_by_the_context(tiny):
         )
 
 
+def _repeat_read(model, tok, seed: int):
+    """100 random tokens prefilled, and the repeat-banded queries of that row, per layer
+    [H, N, D]: (ids, cache, queries)."""
+    from cdlm_serve.engine.compaction.queries import reference_queries
+
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(seed)).tolist()
+    full = _prefilled(model, ids)
+    repeat = list(reference_queries(model, tok, full.extract_row(0), 0, ids, "repeat-banded"))
+    return ids, full, repeat
+
+
+def _kvzip_score(cfg, queries, keys, g: int) -> torch.Tensor:
+    """KV head g's keys' largest attention from any of its group's queries [H, N, D] (keys
+    [Hkv, T, D]): [T], each query's softmax over the whole row."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = queries[g * group : (g + 1) * group].reshape(-1, cfg.head_dim)  # [N, D]
+    p = torch.softmax(q @ keys[g].float().T * cfg.head_dim**-0.5, dim=-1)  # [N, T]
+    return p.max(dim=0).values
+
+
 @pytest.mark.parametrize("max_queries", [2048, 24])
 def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_queries):
     """kvzip on a model row: each KV head keeps the t region keys with the largest attention
@@ -626,15 +646,12 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     the whole row (region and exact tail), with their own values and no bias; every query
     counts, not the fits' sample of max_queries."""
     from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
-    from cdlm_serve.engine.compaction.queries import reference_queries
 
     model, tok = tiny
     cfg = model.config
     group = cfg.num_heads // cfg.num_kv_heads
-    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(8)).tolist()
-    full = _prefilled(model, ids)
+    ids, full, repeat = _repeat_read(model, tok, seed=8)
     region, t = 92, 20
-    repeat = list(reference_queries(model, tok, full.extract_row(0), 0, ids, "repeat-banded"))
     assert repeat[0].shape[1] * group > 4 * max_queries or max_queries > 1024
     cache = full.extract_row(0)
     report = compact_row(
@@ -650,15 +667,70 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
         keys, values, _ = full.read(0, layer)  # [Hkv, T, D]
         kept_k, kept_v, bias = cache.read(0, layer)
         for g in range(cfg.num_kv_heads):
-            q = repeat[layer][g * group : (g + 1) * group].reshape(-1, cfg.head_dim)  # [N, D]
-            p = torch.softmax(q @ keys[g].float().T * cfg.head_dim**-0.5, dim=-1)  # [N, 100]
-            score = p.max(dim=0).values[:region]
+            score = _kvzip_score(cfg, repeat[layer], keys, g)[:region]
             match = (kept_k[g, :t, None, :] == keys[g, None, :region, :]).all(-1)  # [t, region]
             assert bool((match.sum(-1) == 1).all())
             chosen = match.float().argmax(-1)
             assert torch.equal(kept_v[g, :t], values[g, chosen])
             _assert_top(score, chosen, t)
         assert bias is None or bool(bias[:, :t].eq(0).all())
+
+
+def test_global_budgets_give_kvzips_slots_to_its_best_scores_over_every_head(tiny):
+    """budgets="global": kvzip's slots (layers x KV heads x t) go to its highest key scores
+    over every head and layer at once, as KVzip's paper and kvpress evict, each head at least
+    one: every head keeps its own top keys, as many as the global ranking gives it (the scores
+    compared as they are, not per head normalized), the total kept."""
+    from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
+    from cdlm_serve.engine.compaction.budgets import global_counts
+
+    model, tok = tiny
+    cfg = model.config
+    ids, full, repeat = _repeat_read(model, tok, seed=9)
+    region, t = 92, 12
+    scores = [  # per (layer, head): its keys' largest attention from a repeat query [region]
+        _kvzip_score(cfg, repeat[layer], full.read(0, layer)[0], g)[:region]
+        for layer in range(cfg.num_layers)
+        for g in range(cfg.num_kv_heads)
+    ]
+    counts = [1] * len(scores)
+    ranked = [s.sort(descending=True).values for s in scores]
+    for _ in range((t - 1) * len(scores)):  # one slot at a time, to the best score left
+        room = [i for i in range(len(scores)) if counts[i] < region]
+        best = max(room, key=lambda i: ranked[i][counts[i]])
+        counts[best] += 1
+    assert len(set(counts)) > 2  # the heads differ: a uniform split would fail below
+    cache = full.extract_row(0)
+    report = compact_row(
+        model,
+        cache,
+        0,
+        ids,
+        CompactionSpec.exact(t, method="kvzip", keep_recent=8, budgets="global"),
+        CompactionRuntime(tokenizer=tok),
+    )
+    assert report.budgets == "global" and report.head_slots == t * len(scores)
+    assert cache.lengths == [max(counts) + 8] and report.segment_slots == max(counts)
+    for layer in range(cfg.num_layers):
+        keys, values, _ = full.read(0, layer)
+        kept_k, kept_v, bias = cache.read(0, layer)
+        assert bias is not None
+        for g in range(cfg.num_kv_heads):
+            i = layer * cfg.num_kv_heads + g
+            segment = max(counts)
+            seen = ~torch.isneginf(bias[g, :segment])  # [segment]: the head's real slots
+            assert int(seen.sum()) == counts[i], (layer, g)
+            kept = kept_k[g, :segment][seen]  # [count, D]
+            match = (kept[:, None, :] == keys[g, None, :region, :]).all(-1)  # [count, region]
+            assert bool((match.sum(-1) == 1).all())
+            chosen = match.float().argmax(-1)
+            assert torch.equal(kept_v[g, :segment][seen], values[g, chosen])
+            _assert_top(scores[i], chosen, counts[i])
+    with pytest.raises(ValueError, match="key scores"):
+        CompactionSpec.exact(t, method="am-highest", budgets="global")
+    # An auto-compaction's cap on a head (`AutoCompact.longest`) holds, the total kept.
+    capped = global_counts(ranked, t * len(scores), region, cfg.num_kv_heads, longest=t + 2)
+    assert max(map(max, capped)) == t + 2 and sum(map(sum, capped)) == t * len(scores)
 
 
 def test_growing_nnls_refits_equal_scipys_nnls_on_every_prefix():

@@ -105,7 +105,8 @@ AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp", "am-h2o"
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 
-FLAGS = ("int8", "attn", "measured", "ctxkeys", "refkeys")
+FLAGS = ("int8", "attn", "measured", "global", "ctxkeys", "refkeys")
+BUDGET_FLAGS = {"attn": "attention", "measured": "measured", "global": "global"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ class Spec:
 
 
 def _parts(method: str) -> Spec:
-    """METHOD[:SOURCE][+int8][+attn|+measured][+ctxkeys|+refkeys] -> its settings; a source
+    """METHOD[:SOURCE][+int8][+attn|+measured|+global][+ctxkeys|+refkeys] -> its settings; a source
     may hold a "+" itself (repeat+self-study). ctxkeys / refkeys: the keys ranked by the
     context's own queries / the reference ones (by default the method's own,
     `engine.compaction.row.default_key_queries`)."""
@@ -128,7 +129,7 @@ def _parts(method: str) -> Spec:
         method = method[: -len(tail) - 1]
     name, _, source = method.partition(":")
     quantize = "int8" if "int8" in flags else None
-    budgets = "attention" if "attn" in flags else "measured" if "measured" in flags else "uniform"
+    budgets = next((BUDGET_FLAGS[f] for f in BUDGET_FLAGS if f in flags), "uniform")
     keys = (
         "context"
         if "ctxkeys" in flags
@@ -336,10 +337,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=list(QUERY_SOURCE),
-        help="METHOD[:QUERY_SOURCE][+int8][+attn|+measured][+ctxkeys|+refkeys] (e.g. "
+        help="METHOD[:QUERY_SOURCE][+int8][+attn|+measured|+global][+ctxkeys|+refkeys] (e.g. "
         "am-highest-fast:on-policy; +int8: the compacted segment kept as int8 codes; +attn: "
         "the KV heads' budgets by measured attention; +measured: by the model's schedule from "
-        "bench/head_budgets.py; +ctxkeys / +refkeys: am-highest's keys ranked by the context's "
+        "bench/head_budgets.py; +global: by the method's own key scores over every head (kvzip, "
+        "as its paper and kvpress); +ctxkeys / +refkeys: am-highest's keys ranked by the context's "
         "own queries / by the reference ones); the default source per method is the one its "
         "paper uses, and both am-highest variants rank their keys by the context's queries",
     )

@@ -77,6 +77,9 @@ class HeadInputs:
     # kvzip: every reference query of the group pooled [N, D], of which `queries` is the fits'
     # sample: a key's score is its largest attention from any of them (`repeat_max_scores`).
     every_query: Tensor | None = None
+    # A method's own key scores [T] (`CompactionMethod.scores`), where they were computed
+    # before the selection: budgets="global" compares them across every head to share slots.
+    scores: Tensor | None = None
     _targets: tuple[Tensor, Tensor, Tensor] | None = None
     _summary: tuple[Tensor, Tensor, Tensor] | None = None
 

@@ -27,7 +27,7 @@ REPEAT_ROWS = 256  # repeat-banded: repeated tokens per block (all see the same 
 REPEAT_BUDGET = 8192
 REPEAT_PIECE = 512  # a multiple of REPEAT_ROWS: a piece's blocks line up as in the whole pass
 # Slots per KV head: all alike, by measured attention, or by the model's measured schedule.
-BUDGETS = ("uniform", "attention", "measured")
+BUDGETS = ("uniform", "attention", "measured", "global")
 # Whose attention ranks the keys of the am-highest variants: the reference queries they are
 # fitted on ("reference", the paper's HighestAttnKeys), or the context's own ("context", the
 # paper's context-prefill queries: each KV head ranks by its group's queries at max_queries /

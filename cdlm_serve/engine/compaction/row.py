@@ -47,6 +47,7 @@ what a request may ask is `engine/compaction/options.py`, the queries `compactio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -228,7 +229,18 @@ def compact_row(
                 )
             )
             queries = every
-        n_queries = _fit_layers(fit, queries, ranking, own)
+        scored = 0
+        if budgets == "global":
+            # Each layer scored as its queries arrive and let go of but for a sample (the
+            # output error's): the selection needs only the scores. (At 8K tokens every
+            # layer's repeat queries held at once are ~0.6 GB in fp32.)
+            sampled = []
+            for layer, q in enumerate(queries):
+                sampled.append(on_fit(functools.partial(fit.score_layer, layer, q)))
+                scored = int(q.shape[1])
+            on_fit(lambda: fit.share_slots(longest))
+            queries = sampled
+        n_queries = max(scored, _fit_layers(fit, queries, ranking, own))
     fitting = sum(seconds.get(k, 0.0) for k in ("keys", "beta", "values"))
     seconds["queries"] = time.perf_counter() - started - fitting
     cache.replace_prefix(row, region, fit.keys, fit.values, fit.biases)
@@ -299,6 +311,9 @@ class _LayerFit:
     rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     # Non-uniform budgets: per layer, per KV head, its slots (else `target` for all).
     head_targets: list[list[int]] | None = None
+    # budgets="global": each (layer, KV head)'s key scores, computed to share the slots and
+    # kept for its selection.
+    head_scores: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     real_slots: int = 0  # what the heads hold, summed
     context_tokens: int = 0  # how many of the context's tokens' queries ranked the keys
     keys: list[Tensor] = field(default_factory=list)
@@ -338,13 +353,65 @@ class _LayerFit:
     def _fit(
         self, layer: int, queries: Tensor, ranking: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, Tensor, Tensor]:
+        layer_k, layer_v, layer_b = [], [], []
+        if self.budget is not None:
+            self.budget.layer = layer
+        for g, h in enumerate(self._heads(layer, queries, ranking)):
+            h.scores = self.head_scores.pop((layer, g), None)
+            t = self.target if self.head_targets is None else self.head_targets[layer][g]
+            r = compact_head(h, t, self.method, self.generator, self.seconds, self.budget)
+            self.errors.append(relative_output_error(h, r))
+            self.real_slots += t
+            keys_g, values_g, bias_g = _padded(r, self.slots)
+            layer_k.append(keys_g)
+            layer_v.append(values_g)
+            layer_b.append(bias_g)
+        device = self.cache.read(self.row, layer)[0].device
+        out = (
+            torch.stack(layer_k).to(device),
+            torch.stack(layer_v).to(device),
+            torch.stack(layer_b).to(device),
+        )
+        self.keys.append(out[0])
+        self.values.append(out[1])
+        self.biases.append(out[2])
+        return out
+
+    def score_layer(self, layer: int, queries: Tensor) -> Tensor:
+        """budgets="global": this layer's KV heads' key scores (`CompactionMethod.scores`, from
+        its reference queries [H, n, D]), kept for `share_slots` and the selection; returns a
+        seeded sample of the queries [H, n', D], as many a head as the fits' own sample."""
+        started = time.perf_counter()
+        with torch.no_grad():  # grad mode is per thread: say it where the work runs
+            for g, h in enumerate(self._heads(layer, queries, None)):
+                scores = self.traits.scores(h)
+                assert scores is not None, self.method  # the spec refuses such a method
+                self.head_scores[(layer, g)] = scores
+        self.seconds["keys"] = self.seconds.get("keys", 0.0) + time.perf_counter() - started
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        n = queries.shape[1]
+        pick = torch.randperm(n, generator=self.generator)[: max(1, self.max_queries // group)]
+        return queries[:, pick.sort().values].clone()
+
+    def share_slots(self, longest: int | None) -> None:
+        """budgets="global": the layers x heads x target slots given to the highest key scores
+        over every head and layer at once, as KVzip's paper and kvpress evict
+        (`budgets.global_counts`)."""
+        ranked = [
+            self.head_scores[key].sort(descending=True).values for key in sorted(self.head_scores)
+        ]
+        self.head_targets = compaction_budgets.global_counts(
+            ranked, self.target * len(ranked), self.region, self.cfg.num_kv_heads, longest
+        )
+
+    def _heads(
+        self, layer: int, queries: Tensor, ranking: tuple[Tensor, Tensor] | None
+    ) -> Iterator[HeadInputs]:
+        """Each KV head's inputs of this layer, from its queries [H, n, D]."""
         cfg, region = self.cfg, self.region
         group = cfg.num_heads // cfg.num_kv_heads
         keys, values, bias = self.cache.read(self.row, layer)  # [Hkv, T, D], [Hkv, T]
         q = queries.cpu()
-        layer_k, layer_v, layer_b = [], [], []
-        if self.budget is not None:
-            self.budget.layer = layer
         if ranking is not None:
             self.context_tokens = int(ranking[1].numel())
         future = None
@@ -376,24 +443,7 @@ class _LayerFit:
             if future is not None:
                 heads = slice(g * group, (g + 1) * group)
                 h.future = (future[0][heads], future[1][heads])
-            t = self.target if self.head_targets is None else self.head_targets[layer][g]
-            r = compact_head(h, t, self.method, self.generator, self.seconds, self.budget)
-            self.errors.append(relative_output_error(h, r))
-            self.real_slots += t
-            keys_g, values_g, bias_g = _padded(r, self.slots)
-            layer_k.append(keys_g)
-            layer_v.append(values_g)
-            layer_b.append(bias_g)
-        device = keys.device
-        out = (
-            torch.stack(layer_k).to(device),
-            torch.stack(layer_v).to(device),
-            torch.stack(layer_b).to(device),
-        )
-        self.keys.append(out[0])
-        self.values.append(out[1])
-        self.biases.append(out[2])
-        return out
+            yield h
 
     def _sample(self, group_queries: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
         """The group's context queries [G, n, D] at positions `at` [n] pooled, at most

@@ -94,6 +94,16 @@ class CompactionSpec:
             raise SpecError(
                 "budgets by attention need every layer's queries first: not on-policy", "budgets"
             )
+        if self.budgets == "global" and self.query_source == "on-policy":
+            raise SpecError(
+                "global budgets need every layer's scores first: not on-policy", "budgets"
+            )
+        if self.budgets == "global" and not chosen.ranks_by_scores:
+            raise SpecError(
+                f"global budgets share slots by a method's key scores: {self.method!r} keeps "
+                "no top-scored keys (kvzip does)",
+                "budgets",
+            )
         try:
             resolve_key_queries(self.method, self.key_queries)
         except ValueError as e:

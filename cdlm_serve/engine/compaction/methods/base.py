@@ -55,3 +55,14 @@ class CompactionMethod:
     ) -> Tensor:
         """[t] the region slots this head keeps, ascending."""
         raise NotImplementedError
+
+    def scores(self, h: HeadInputs) -> Tensor | None:
+        """[T] one score per region key, comparable across heads and layers, whose top t are
+        what `select` keeps (`ranks_by_scores`); None for a method that does not select that
+        way."""
+        return None
+
+    @property
+    def ranks_by_scores(self) -> bool:
+        """Whether it keeps a head's t best keys by `scores` (budgets="global" needs that)."""
+        return type(self).scores is not CompactionMethod.scores

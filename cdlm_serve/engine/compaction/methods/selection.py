@@ -69,7 +69,11 @@ class KVzip(CompactionMethod):
     def select(
         self, h: HeadInputs, t: int, generator: torch.Generator, budget: OmpBudget | None
     ) -> Tensor:
-        return am.repeat_max_scores(h).topk(t).indices.sort().values
+        scores = h.scores if h.scores is not None else self.scores(h)
+        return scores.topk(t).indices.sort().values
+
+    def scores(self, h: HeadInputs) -> Tensor:
+        return am.repeat_max_scores(h)
 
 
 class Random(CompactionMethod):
