@@ -129,7 +129,7 @@ def test_bad_diffusion_options(base, extra, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_metrics_expose_dlmseries_sum(base):
+def test_metrics_expose_dlm_series(base):
     _post(base, {"model": "llada", **REQ})
     text = httpx.get(f"{base}/metrics").text
     for series in (

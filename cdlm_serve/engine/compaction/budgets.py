@@ -112,17 +112,16 @@ def _by_shares(
 
 
 def global_counts(
-    ranked: list[Tensor], total: int, region: int, heads: int, longest: int | None = None
+    ranked: list[Tensor], target: int, region: int, heads: int, longest: int | None = None
 ) -> list[list[int]]:
-    """Per layer, per KV head, its slots: `total` given to the heads' own key scores (each
-    sorted descending [T]), the highest over all heads and layers at once, as KVzip's paper
-    and kvpress evict. A head keeps from one slot to its whole region (at most `longest`,
-    but never under the average): a floor or cap of the other budgets' kind cost kvzip what
+    """Per layer, per KV head, its slots: the heads' `target` each, summed, given to their own
+    key scores (each sorted descending [T]), the highest over all heads and layers at once, as
+    KVzip's paper and kvpress evict. A head keeps from one slot to its whole region (at most
+    `longest`, as `bounds` caps it): a floor or cap of the other budgets' kind cost kvzip what
     it is for (facts kept at 2K tokens, 4x / 10x / 20x: 0.97 / 0.81 / 0.52 without one; t / 4
     to 8t 0.97 / 0.77 / 0.19; t / 4 to 2t 0.80 / 0.28 / 0.10; uniform 0.43 / 0.16 / 0.08)."""
-    average = total // max(1, len(ranked))
-    high = region if longest is None else max(average, min(region, longest))
-    return _by_shares(ranked, total, 1, high, heads)
+    _, high = bounds(target, region, most=region, longest=longest)  # most x t >= the region
+    return _by_shares(ranked, target * len(ranked), 1, high, heads)
 
 
 def from_schedule(

@@ -401,7 +401,7 @@ class _LayerFit:
             self.head_scores[key].sort(descending=True).values for key in sorted(self.head_scores)
         ]
         self.head_targets = compaction_budgets.global_counts(
-            ranked, self.target * len(ranked), self.region, self.cfg.num_kv_heads, longest
+            ranked, self.target, self.region, self.cfg.num_kv_heads, longest
         )
 
     def _heads(
