@@ -151,20 +151,27 @@ def test_an_append_that_cannot_be_stored_changes_nothing(server, store):
     assert _state(base, "grow")["tokens"] == grown
 
 
-def test_a_compaction_that_cannot_be_stored_changes_nothing(server, store):
+@pytest.mark.parametrize(
+    ("sid", "spec"),
+    [
+        ("squeeze", {"ratio": 2, "method": "am-highest", "query_source": "repeat"}),
+        # Non-uniform: each head its own count, the segment written ragged.
+        ("squeeze-global", {"ratio": 2, "method": "kvzip", "budgets": "global"}),
+    ],
+)
+def test_a_compaction_that_cannot_be_stored_changes_nothing(server, store, sid, spec):
     base, proc = server
-    _make(base, "squeeze")
-    answer, state = _ask(base, "squeeze"), _state(base, "squeeze")
-    files = tree_snapshot(store / "squeeze")
-    spec = {"ratio": 2, "method": "am-highest", "query_source": "repeat"}
+    _make(base, sid)
+    answer, state = _ask(base, sid), _state(base, sid)
+    files = tree_snapshot(store / sid)
     with disk_full(proc):
-        _full(_post(base, "/v1/sessions/squeeze/compact", spec))
-        assert _state(base, "squeeze") == state
-        assert _ask(base, "squeeze") == answer  # the whole cache, not the compacted one
-    assert tree_snapshot(store / "squeeze") == files
-    r = _post(base, "/v1/sessions/squeeze/compact", spec)
+        _full(_post(base, f"/v1/sessions/{sid}/compact", spec))
+        assert _state(base, sid) == state
+        assert _ask(base, sid) == answer  # the whole cache, not the compacted one
+    assert tree_snapshot(store / sid) == files
+    r = _post(base, f"/v1/sessions/{sid}/compact", spec)
     assert r.status_code == 200, r.text
-    assert _state(base, "squeeze")["physical_tokens"] == r.json()["tokens_after"] < len(CONTEXT)
+    assert _state(base, sid)["physical_tokens"] == r.json()["tokens_after"] < len(CONTEXT)
 
 
 def test_a_response_that_cannot_be_stored_is_not_stored(server, store):
