@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import tiny_models
-from cdlm_serve.bench.compaction import Spec, _parts, mixed_cache
+from cdlm_serve.bench.compaction import Spec, method_spec, mixed_cache
 from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.models.loading import load_model
 
@@ -181,15 +181,15 @@ def test_a_solved_schedule_gives_back_its_slots_at_its_ratio_and_scales_at_other
 def test_method_specs_name_source_budgets_quantization_and_key_ranking():
     """METHOD[:SOURCE][+flags]: each flag reaches its setting, in any order, and a method's
     keys are ranked as the server ranks them unless a flag says otherwise."""
-    assert _parts("am-highest") == Spec(
+    assert method_spec("am-highest") == Spec(
         "am-highest", "repeat+self-study", None, "uniform", "context"
     )
-    assert _parts("am-highest-fast+measured+ctxkeys") == Spec(
+    assert method_spec("am-highest-fast+measured+ctxkeys") == Spec(
         "am-highest-fast", "repeat-banded", None, "measured", "context"
     )
-    assert _parts("am-highest:repeat+refkeys+int8") == Spec(
+    assert method_spec("am-highest:repeat+refkeys+int8") == Spec(
         "am-highest", "repeat", "int8", "uniform", "reference"
     )
-    assert _parts("am-omp:repeat+self-study+attn").budgets == "attention"
-    assert _parts("h2o").keys == "reference"
-    assert _parts("am-highest-fast").keys == "context"  # the server's default for it too
+    assert method_spec("am-omp:repeat+self-study+attn").budgets == "attention"
+    assert method_spec("h2o").keys == "reference"
+    assert method_spec("am-highest-fast").keys == "context"  # the server's default for it too

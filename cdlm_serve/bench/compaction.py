@@ -66,6 +66,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ class Spec:
     keys: str  # key_queries: whose attention ranks the keys ("context" or "reference")
 
 
-def _parts(method: str) -> Spec:
+def method_spec(method: str) -> Spec:
     """METHOD[:SOURCE][+int8][+attn|+measured|+global][+ctxkeys|+refkeys] -> its settings; a source
     may hold a "+" itself (repeat+self-study). ctxkeys / refkeys: the keys ranked by the
     context's own queries / the reference ones (by default the method's own,
@@ -140,9 +141,9 @@ def _parts(method: str) -> Spec:
     return Spec(name, source or QUERY_SOURCE[name], quantize, budgets, keys)
 
 
-def _compact(model, tok, cache, ids, target, method, args, captured=None):
+def compact_method(model, tok, cache, ids, target, method, args, captured=None):
     """compact_row with the bench's settings; `captured`: queries per source, shared."""
-    spec = _parts(method)
+    spec = method_spec(method)
     return compact_row(
         model,
         cache,
@@ -161,12 +162,12 @@ def _compact(model, tok, cache, ids, target, method, args, captured=None):
             tokenizer=tok,
             seed=args.seed,
             reference=(captured or {}).get(spec.source),
-            schedule=_schedule(model, args) if spec.budgets == "measured" else None,
+            schedule=budget_schedule(model, args) if spec.budgets == "measured" else None,
         ),
     )
 
 
-def _schedule(model, args) -> list[list[float]]:
+def budget_schedule(model, args) -> list[list[float]]:
     """The model's measured budget schedule (engine/compaction/budget_schedules/), which must
     exist."""
     schedule = load_schedule(args.model, model.config)
@@ -230,7 +231,7 @@ def run_layer_loss(model, tok, full, ids, probe, base, captured, args, context) 
     for ratio in args.ratios:
         target = max(1, round(len(ids) / ratio) - args.keep_recent)
         compacted = full.extract_row(0)
-        _compact(model, tok, compacted, ids, target, method, args, captured)
+        compact_method(model, tok, compacted, ids, target, method, args, captured)
         layers: list[int | str] = ["all", *range(full.num_layers)]
         for layer in layers:
             chosen = set(range(full.num_layers)) if layer == "all" else {layer}
@@ -267,7 +268,7 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
     from cdlm_serve.bench.load import austen_ids
 
     longest = austen_ids(args.model, max(args.timing_lengths))
-    methods = [m for m in args.methods if _parts(m).name in AM_METHODS]
+    methods = [m for m in args.methods if method_spec(m).name in AM_METHODS]
     rows: list[dict] = []
     for length in args.timing_lengths:
         ids = longest[:length]
@@ -278,7 +279,7 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
         for run in range(args.timing_runs):
             for method in methods:
-                report = _compact(model, tok, full.extract_row(0), ids, target, method, args)
+                report = compact_method(model, tok, full.extract_row(0), ids, target, method, args)
                 runs[method].append(report.seconds)
                 print(
                     f"{length:>6} {method:<18} run {run + 1}  "
@@ -408,17 +409,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             save_json(args.json, {"rows": rows, "summary": summary})
         return rows
 
-    from transformers import AutoTokenizer
-
-    folder = resolve(args.model)
-    tok = AutoTokenizer.from_pretrained(folder)
-    model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
-    if args.dtype == "bfloat16":  # the fused CPU kernels, as the server runs bf16
-        kernels.enable_cpu_kernels()
+    folder, tok, model = load_bench_model(args.model, args.dtype)
     if args.timing:
         return run_timing(model, tok, args)
     hf = kvpress_peer.load_hf(folder, getattr(torch, args.dtype)) if peers else None
-    text = _text(args.text)
+    text = long_text(args.text)
     rng = random.Random(args.seed)
     rows: list[dict] = []
     for c in range(args.contexts):
@@ -446,7 +441,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # once per source (on-policy ones depend on the fit and are captured each time).
         # (The context queries that rank keys, a sample re-read from the row, each compaction
         # reads itself: `engine.compaction.row.context_key_queries`.)
-        sources = {_parts(m).source for m in args.methods if not kvpress_peer.is_peer(m)}
+        sources = {method_spec(m).source for m in args.methods if not kvpress_peer.is_peer(m)}
         captured = {
             src: list(reference_queries(model, tok, full, 0, ids, src))
             for src in sorted(sources - {"on-policy"})
@@ -481,7 +476,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     )
                 else:
                     cache = full.extract_row(0)
-                    report = _compact(model, tok, cache, ids, target, method, args, captured)
+                    report = compact_method(model, tok, cache, ids, target, method, args, captured)
                 got = measure(model, cache, probe, em=True)
                 row = {
                     "context": c,
@@ -521,7 +516,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _text(name: str | None) -> str:
+def load_bench_model(name: str, dtype: str) -> tuple[Path, Any, Any]:
+    """The model's folder, tokenizer and our model in `dtype` ("float32" / "bfloat16": then
+    with the fused CPU kernels, as the server runs bf16)."""
+    from transformers import AutoTokenizer
+
+    folder = resolve(name)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model, _ = load_model(folder, dtype=getattr(torch, dtype))
+    if dtype == "bfloat16":
+        kernels.enable_cpu_kernels()
+    return folder, tok, model
+
+
+def long_text(name: str | None) -> str:
     """The long text contexts are cut from, as one line."""
     if name is None:
         from cdlm_serve.train import austen

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,9 +152,12 @@ def answer_loss(model, hidden: Tensor, prompt: int, answer: list[int]) -> float:
 
 
 @torch.no_grad()
-def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens after `prompt`, continuing a copy of `cache` (decode steps through the
-    engines' runner: the fused CPU step where it applies)."""
+def greedy(
+    model, cache: KVCache, prompt: list[int], n: int, stop: Container[int] = ()
+) -> list[int]:
+    """n greedy tokens after `prompt` (fewer where one in `stop` comes, which ends them and
+    is not returned), continuing a copy of `cache` (decode steps through the engines' runner:
+    the fused CPU step where it applies)."""
     work = cache.extract_row(0)
     work.ensure_capacity(work.lengths[0] + len(prompt) + n + 1)
     runner = ModelRunner(model)
@@ -162,6 +165,8 @@ def greedy(model, cache: KVCache, prompt: list[int], n: int) -> list[int]:
     out = []
     for _ in range(n):
         token = int(model.logits(hidden).argmax(-1))
+        if token in stop:
+            break
         out.append(token)
         hidden = runner.extend([(0, [token])], work)
     return out

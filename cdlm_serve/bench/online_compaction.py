@@ -40,7 +40,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from cdlm_serve.bench.compaction import _parts, _schedule, _text, resident_bytes, save_json
+from cdlm_serve.bench.compaction import (
+    budget_schedule,
+    long_text,
+    method_spec,
+    resident_bytes,
+    save_json,
+)
 from cdlm_serve.bench.facts import Probe, fact_nlls, kept, make_context, measure
 from cdlm_serve.engine.compaction import (
     CompactionReport,
@@ -84,7 +90,7 @@ def feed(
     if method is not None:
         # METHOD[+int8][+attn|+measured], as bench.compaction's flags; the policy's own query
         # source and key queries (None), as a session created with it would compact.
-        spec = _parts(method)
+        spec = method_spec(method)
         policy = AutoCompact.of(
             args.max_tokens,
             args.ratio,
@@ -93,7 +99,7 @@ def feed(
             quantize=spec.quantize,
             budgets=spec.budgets,
         )
-        schedule = _schedule(model, args) if spec.budgets == "measured" else None
+        schedule = budget_schedule(model, args) if spec.budgets == "measured" else None
     cache = model.new_cache(1, args.max_tokens + 2 * args.chunk)
     largest, seconds, reports = 0, 0.0, []
     with torch.no_grad():
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model, _ = load_model(folder, dtype=getattr(torch, args.dtype))
     if args.dtype == "bfloat16":  # the fused CPU kernels, as the server runs bf16
         kernels.enable_cpu_kernels()
-    text = _text(args.text)
+    text = long_text(args.text)
     rows: list[dict] = []
     for c in range(args.contexts):
         rows += _context_runs(model, tok, text, random.Random(args.seed + c), c, args)
