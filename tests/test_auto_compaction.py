@@ -297,7 +297,7 @@ def test_uneven_budgets_still_bring_an_auto_compacted_row_under_its_bound(
     cfg = model.config
     shares = [[1.0] * cfg.num_kv_heads for _ in range(cfg.num_layers)]
     shares[0][0] = 100.0  # one head would take all it may
-    monkeypatch.setattr(online, "_schedule", lambda model, args: shares)
+    monkeypatch.setattr(online, "budget_schedule", lambda model, args: shares)
     args = argparse.Namespace(max_tokens=96, ratio=4, keep_recent=16, chunk=32)
     policy = AutoCompact.of(96, 4, keep_recent=16, budgets="measured")
     target = policy.target(128)  # the first compaction's: 112 slots to 28

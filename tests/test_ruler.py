@@ -23,6 +23,7 @@ from cdlm_serve.bench.ruler_tasks import (
     TASKS,
     Generator,
     Sample,
+    _sentences,
     string_match_all,
 )
 from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
@@ -71,10 +72,16 @@ def test_a_ruler_sample_fills_its_length_and_its_answers_are_what_its_question_a
         else:
             assert len(keys) == setting.keys  # distractors: the other keys' needles
         assert all(sample.context.count(a) == 1 for a in sample.answers)
-        # each asked needle sits at its depth of the context (the instruction before the
-        # haystack shifts it by a few percent)
+        # each asked needle sits at its depth: that share of the haystack's sentences before
+        # it (the other needles not counted)
+        sentences = _sentences(sample.context.split("\n", 1)[1])
+        placed = needles if setting.haystack != "needle" else [n for n in needles if n[0] in asked]
+        holds = [i for i, t in enumerate(sentences) if any(v in t for _, v in placed)]
+        haystack = len(sentences) - len(holds)
         for value, depth in zip(sample.answers, sample.depths, strict=True):
-            assert abs(sample.context.index(value) / len(sample.context) - depth) < 0.06
+            at = next(i for i in holds if value in sentences[i])
+            before = at - sum(i < at for i in holds)
+            assert abs(before / haystack - depth) <= 1 / haystack + 1e-9
     elif task == "vt":
         # Follow the chain from the value the question names: its variables are the answer.
         value = re.search(r"the value (\d+)", sample.question)[1]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from cdlm_serve.bench import online_compaction as online
-from cdlm_serve.bench.compaction import _text, save_json
+from cdlm_serve.bench.compaction import long_text, save_json
 from cdlm_serve.engine.compaction import attention_matching as am
 from cdlm_serve.engine.compaction import baselines
 from cdlm_serve.engine.compaction import row as kv_compaction
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     folder = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model, _ = load_model(folder, dtype=torch.float32)
-    text = _text(args.text)
+    text = long_text(args.text)
     rows: list[dict] = []
 
     def feeder(ids, selection, checkpoint, spans):
