@@ -167,6 +167,29 @@ def compact_method(model, tok, cache, ids, target, method, args, captured=None):
     )
 
 
+def capture_references(model, tok, full, ids, methods) -> dict[str, list]:
+    """The reference queries of every source our `methods` read, captured once from row 0 of
+    `full`: every method and ratio of a context reads the same ones (on-policy ones depend on
+    the fit and are captured each time; the context queries that rank keys, a sample re-read
+    from the row, each compaction reads itself: `engine.compaction.row.context_key_queries`)."""
+    sources = {method_spec(m).source for m in methods if not kvpress_peer.is_peer(m)}
+    return {
+        src: list(reference_queries(model, tok, full, 0, ids, src))
+        for src in sorted(sources - {"on-policy"})
+    }
+
+
+def compact_copy(model, tok, hf, full, ids, slots, method, args, captured, hf_prefill_s):
+    """A copy of row 0 of `full` compacted by `method` to `slots` physical slots, and its
+    report: ours keep the last `args.keep_recent` of them exact; a kvpress press (`hf`, the
+    transformers model) compresses the whole context to the same size (module doc)."""
+    if kvpress_peer.is_peer(method):
+        return kvpress_peer.compact(hf, full, ids, slots, method, hf_prefill_s)
+    cache = full.extract_row(0)
+    target = slots - args.keep_recent
+    return cache, compact_method(model, tok, cache, ids, target, method, args, captured)
+
+
 def budget_schedule(model, args) -> list[list[float]]:
     """The model's measured budget schedule (engine/compaction/budget_schedules/), which must
     exist."""
@@ -437,15 +460,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with torch.no_grad():
             model(torch.tensor([ids], device=model.device), cache=full)
         prefill_s = time.perf_counter() - started
-        # Every method and ratio of this context reads the same reference queries: captured
-        # once per source (on-policy ones depend on the fit and are captured each time).
-        # (The context queries that rank keys, a sample re-read from the row, each compaction
-        # reads itself: `engine.compaction.row.context_key_queries`.)
-        sources = {method_spec(m).source for m in args.methods if not kvpress_peer.is_peer(m)}
-        captured = {
-            src: list(reference_queries(model, tok, full, 0, ids, src))
-            for src in sorted(sources - {"on-policy"})
-        }
+        captured = capture_references(model, tok, full, ids, args.methods)
         base_none = measure(model, None, probe, em=False, start=start)
         base_full = measure(model, full, probe, em=True)
         hf_prefill_s = kvpress_peer.prefill_seconds(hf, ids) if hf is not None else 0.0
@@ -468,15 +483,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if target >= region:
                 continue
             for method in args.methods:
-                if kvpress_peer.is_peer(method):
-                    # the same physical size, the whole context compressed (module doc)
-                    kept_slots = target + args.keep_recent
-                    cache, report = kvpress_peer.compact(
-                        hf, full, ids, kept_slots, method, hf_prefill_s
-                    )
-                else:
-                    cache = full.extract_row(0)
-                    report = compact_method(model, tok, cache, ids, target, method, args, captured)
+                slots = target + args.keep_recent
+                cache, report = compact_copy(
+                    model, tok, hf, full, ids, slots, method, args, captured, hf_prefill_s
+                )
                 got = measure(model, cache, probe, em=True)
                 row = {
                     "context": c,

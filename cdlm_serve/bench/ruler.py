@@ -37,7 +37,8 @@ import torch
 
 from cdlm_serve.bench import kvpress_peer
 from cdlm_serve.bench.compaction import (
-    compact_method,
+    capture_references,
+    compact_copy,
     load_bench_model,
     long_text,
     method_spec,
@@ -45,7 +46,6 @@ from cdlm_serve.bench.compaction import (
 )
 from cdlm_serve.bench.facts import sequence_start
 from cdlm_serve.bench.ruler_tasks import TASKS, Generator, Render, Sample, string_match_all
-from cdlm_serve.engine.compaction.queries import reference_queries
 from cdlm_serve.engine.decoding.model_runner import ModelRunner
 from cdlm_serve.models.kv_cache import KVCache
 from cdlm_serve.models.sources import DEFAULT_AR_MODEL
@@ -139,12 +139,7 @@ def run_sample(
     full = model.new_cache(1, len(context) + len(question) + sample.max_new_tokens + 1)
     with torch.no_grad():
         model(torch.tensor([context], device=model.device), cache=full)
-    ours = [m for m in args.methods if not kvpress_peer.is_peer(m)]
-    sources = {method_spec(m).source for m in ours}
-    captured = {
-        src: list(reference_queries(model, tok, full, 0, context, src))
-        for src in sorted(sources - {"on-policy"})
-    }
+    captured = capture_references(model, tok, full, context, args.methods)
     hf_prefill_s = kvpress_peer.prefill_seconds(hf, context) if hf is not None else 0.0
     base = {"task": sample.task, "tokens": len(context) + len(question)}
     (said,) = answers(model, tok, [full], question, sample)
@@ -156,7 +151,7 @@ def run_sample(
             continue
         caches, done = [], []
         for method in args.methods:
-            cache, report = _compact(
+            cache, report = compact_copy(
                 model, tok, hf, full, context, slots, method, args, captured, hf_prefill_s
             )
             caches.append(cache)
@@ -174,16 +169,6 @@ def run_sample(
     for row in rows:
         row["score"] = 100.0 * string_match_all(row["answer"], sample.answers)
     return rows
-
-
-def _compact(model, tok, hf, full, context, slots, method, args, captured, hf_prefill_s):
-    """A copy of `full` compacted by `method` (ours, or a kvpress press) to `slots` physical
-    slots, and its report."""
-    if kvpress_peer.is_peer(method):
-        return kvpress_peer.compact(hf, full, context, slots, method, hf_prefill_s)
-    cache = full.extract_row(0)
-    target = slots - args.keep_recent
-    return cache, compact_method(model, tok, cache, context, target, method, args, captured)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
