@@ -50,6 +50,19 @@ def test_growth_counts_between_one_minute_medians_after_settling_and_at_the_end(
     assert v["rss_idle_after_mb"] == 900
 
 
+def test_idle_is_the_last_idle_sample_against_the_fresh_server():
+    # Fresh 1,000 MB; the first idle sample (1,120) is before the idle trims; the last counts,
+    # not the lowest.
+    rows = _samples([1400] * 8)
+    rows += [{"t_s": rows[-1]["t_s"] + 10, "phase": "idle", "rss_mb": r} for r in (1040, 1049)]
+    rows[-3]["rss_mb"] = 1120
+    v = soak.verdict(rows, settle_s=10, errors=0)
+    assert (v["rss_idle_after_mb"], v["idle_over_start_pct"]) == (1049, 4.9)
+    assert v["idle_goal_met"]
+    rows[-1]["rss_mb"] = 1051
+    assert not soak.verdict(rows, settle_s=10, errors=0)["idle_goal_met"]
+
+
 def test_a_single_sample_in_a_trims_dip_or_on_a_peak_does_not_decide():
     """The last soak's 5-minute sample fell in the dip after a session's delete (1,380 MB among
     ~1,400s); with a peak at the end, single samples said +7%, the medians say flat."""
@@ -99,3 +112,72 @@ def test_plot_without_matplotlib_is_one_line_before_the_run(monkeypatch, capsys,
     assert exit_.value.code == 2
     assert "--plot needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
     assert not started
+
+
+def _census_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(soak.__file__).parent / "census" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("soak_census", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # CDLM_SOAK_CENSUS unset here: no thread starts
+    return module
+
+
+class _Fit:
+    def __init__(self, torch):
+        self.keys = torch.zeros(2, 3, 4096, 64)  # 6 MB
+
+
+def test_the_census_counts_tensors_by_storage_and_names_a_new_ones_holder():
+    """What the first census saw is the baseline; a storage that came after is 'new', the
+    largest ones with chains of who holds them (an attribute, a dict's key, ...)."""
+    import torch
+
+    census = _census_module()
+    weights = torch.zeros(256, 1024)  # 1 MB, there before the baseline
+    views = [weights[:10], weights[1:].t()]  # the same storage: counted once, as the whole
+    first, baseline = census.census(None)
+    assert first["groups"]["[256, 1024] float32 cpu"] == [1, 1.0]
+    assert "[2, 3, 4096, 64] float32 cpu" not in first["groups"]
+    assert "[10, 1024] float32 cpu" not in first["groups"]
+    assert "[1024, 255] float32 cpu" not in first["groups"]
+    held = {"last_piece": _Fit(torch)}
+    later, _ = census.census(baseline)
+    assert later["groups"]["[2, 3, 4096, 64] float32 cpu"] == [1, 6.0]
+    assert later["groups"]["[256, 1024] float32 cpu"] == [1, 1.0]
+    top = later["new_top"][0]
+    assert (top["tensor"], top["mb"]) == ("[2, 3, 4096, 64] float32", 6.0)
+    assert top["held_by"][0].startswith(f"{__name__}._Fit.keys <- builtins.dict['last_piece']")
+    assert later["new_mb"] < 7 and later["heap_in_use_mb"] > 0 and later["vmrss_mb"] > 0
+    assert views and held
+
+
+def test_the_census_runs_inside_a_process_started_with_its_environment(tmp_path):
+    """`--census`: the server's environment imports census/sitecustomize.py at start-up (it
+    imports nothing of cdlm_serve, so an old checkout's server gets it too), and its thread
+    appends a line a period."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "census.jsonl"
+    env = soak.census_env(argparse.Namespace(census=out))
+    assert env is not None
+    env["CDLM_SOAK_CENSUS_EVERY"] = "0.2"
+    script = (
+        "import os, time, torch\n"
+        "held = torch.zeros(256, 1024)\n"
+        "path = os.environ['CDLM_SOAK_CENSUS']\n"
+        "def seen(): return os.path.exists(path) and '[256, 1024]' in open(path).read()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not seen() and time.monotonic() < deadline: time.sleep(0.05)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert any(r["groups"].get("[256, 1024] float32 cpu") == [1, 1.0] for r in rows)
+    assert all(r["uptime_s"] >= 0 and "error" not in r for r in rows)

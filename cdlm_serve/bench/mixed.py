@@ -298,7 +298,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def start_server(
-    args: argparse.Namespace, sessions_dir: Path, log_name: str
+    args: argparse.Namespace,
+    sessions_dir: Path,
+    log_name: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[Soak, subprocess.Popen]:
     """Start `args.checkout`'s server on both models (sessions in `sessions_dir`) and return
     the clients for it with the process; the caller stops it (bench.load.stop)."""
@@ -310,7 +313,7 @@ def start_server(
     cmd += ["--sessions-dir", str(sessions_dir), "--log-level", "warning"]
     cmd += args.server_args.split()
     args.logs.mkdir(parents=True, exist_ok=True)
-    server = start(cmd, url, args.logs / log_name, cwd=args.checkout)
+    server = start(cmd, url, args.logs / log_name, cwd=args.checkout, env=env)
     return Soak(url, args.ar_model, args.dlm_model, session_ids), server
 
 
