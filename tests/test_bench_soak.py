@@ -39,7 +39,7 @@ def test_growth_counts_between_one_minute_medians_after_settling_and_at_the_end(
     # 1,000 MB nor to the idle sample.
     rss = [1200, 1300, 1400, 1400, 1500, 1500, 1500, 1600, 1500, 1500]
     rss += [1500, 1520, 1530, 1530, 1530, 1540, 1540, 1400]
-    v = soak.verdict(_samples(rss), settle_s=60, errors=0)
+    v = soak.verdict(_samples(rss), settle_s=60, errors=0, window_s=60)
     assert (v["settled_at_s"], v["rss_settled_mb"], v["rss_end_mb"]) == (60, 1500, 1530)
     assert (v["rss_settled_sample_mb"], v["rss_end_sample_mb"], v["rss_max_mb"]) == (
         1500,
@@ -68,13 +68,28 @@ def test_a_single_sample_in_a_trims_dip_or_on_a_peak_does_not_decide():
     ~1,400s); with a peak at the end, single samples said +7%, the medians say flat."""
     flat = [1400, 1405, 1398, 1402, 1400, 1401]
     rss = [1300] * 5 + [1270] + flat[1:] + flat * 3 + flat[:-1] + [1500]
-    v = soak.verdict(_samples(rss), settle_s=60, errors=0)
+    v = soak.verdict(_samples(rss), settle_s=60, errors=0, window_s=60)
     assert v["rss_settled_sample_mb"] == 1270 and v["rss_end_sample_mb"] == 1500
     assert abs(v["growth_after_settle_pct"]) < 0.5 and v["goal_met"]
 
 
+def test_the_default_window_spans_several_session_loops_and_reads_the_level():
+    """A float32 soak's session loop (~80 s) swings RSS from ~1,500 MB to ~1,950 MB; a
+    one-minute window says which phase it caught (here +30% with the server flat), the
+    default five-minute one reads the level."""
+    loop = [1500] * 6 + [1950] * 2  # 80 s: 20 s of it at the session's peak
+    rss = (loop * 25)[:174]  # 29 minutes of 10 s samples
+    rss[30:36] = [1500] * 6  # the first minute after settling: in the low phase
+    rss[-6:] = [1950] * 6  # the last: on the peak
+    one = soak.verdict(_samples(rss), settle_s=300, errors=0, window_s=60)
+    five = soak.verdict(_samples(rss), settle_s=300, errors=0)
+    assert one["growth_after_settle_pct"] == 30.0 and not one["goal_met"]
+    assert five["median_window_s"] == 300 and abs(five["growth_after_settle_pct"]) < 2
+    assert five["goal_met"]
+
+
 def test_a_run_shorter_than_the_settling_takes_its_last_sample():
-    v = soak.verdict(_samples([1200, 1300]), settle_s=300, errors=0)
+    v = soak.verdict(_samples([1200, 1300]), settle_s=300, errors=0, window_s=60)
     assert (v["settled_at_s"], v["rss_settled_mb"], v["rss_end_mb"]) == (20, 1300, 1300)
 
 

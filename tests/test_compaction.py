@@ -1036,3 +1036,21 @@ def test_the_default_model_ships_a_schedule_of_its_shape_under_either_name():
     assert shares == load_schedule("smollm2-135m-instruct", smollm2)
     assert shares is not None and abs(sum(map(sum, shares)) - 1) < 1e-9
     assert min(min(layer) for layer in shares) > 0  # every head keeps some slots
+
+
+@pytest.mark.parametrize("source", ["repeat", "repeat-banded"])
+def test_a_repeat_pass_grows_the_rows_cache_by_its_tokens_not_by_doubling(tiny, source):
+    """Issue 59: the repeat pass writes its tokens to scratch slots of the session's own cache.
+    Grown by doubling, a 1.5K-token session sat at 6,000 slots (4x: 264 MB in float32) for its
+    whole compaction; it grows by the pass's tokens, exactly."""
+    from cdlm_serve.engine.compaction.queries import REPEAT_INSTRUCTION, reference_queries
+
+    model, tok = tiny
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = _prefilled(model, ids).extract_row(0)
+    cache.ensure_capacity(150, exact=True)  # grown once before (the session's was, by a pass)
+    assert cache.capacity == 150
+    queries = list(reference_queries(model, tok, cache, 0, ids, source))
+    lead = len(tok.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+    assert queries[0].shape[1] == lead + 100 and lead < 100
+    assert cache.capacity == 100 + lead + 100 and cache.lengths == [100]  # doubling: 300

@@ -52,6 +52,10 @@ class CountingEngine:
     def kv_bytes(self) -> int:
         return 0
 
+    def release_idle(self) -> None:
+        assert not self.running, "released with a sequence still running"
+        self.releases = getattr(self, "releases", 0) + 1
+
     def reset(self) -> None:
         self.running.clear()
 
@@ -86,6 +90,33 @@ def test_jobs_take_turns_with_decode_steps():
     thread.shutdown(timeout=10)
     with pytest.raises(RuntimeError, match=r"shutting down|stopped"):
         thread.run(lambda: 1)
+
+
+def test_an_idle_engine_releases_its_caches_once_a_spell_after_its_release_time():
+    """The engine thread asks the engine to let go of its batch caches once it has been idle
+    `idle_release_s` in a row: not while anything runs, not again in the same idle spell, and
+    again in the next one."""
+    engine = CountingEngine()
+    thread = EngineThread("w", engine, idle_release_s=2.0)
+    try:
+        thread.run(lambda: engine.add(["a", 3]))  # ends its idle spell; 3 steps of work
+        time.sleep(1.0)
+        assert getattr(engine, "releases", 0) == 0  # idle, but not for long enough
+        deadline = time.monotonic() + 10
+        while getattr(engine, "releases", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.releases == 1
+        time.sleep(3.0)  # the same spell goes on: no second release
+        assert engine.releases == 1
+        thread.run(lambda: engine.add(["b", 2]))  # a new spell after this one
+        time.sleep(1.2)  # idle again, but not for the release time since "b"
+        assert engine.releases == 1
+        deadline = time.monotonic() + 10
+        while engine.releases == 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.releases == 2 and engine.steps == 5
+    finally:
+        thread.shutdown(timeout=10)
 
 
 class TimedEngine(CountingEngine):

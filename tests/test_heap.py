@@ -161,6 +161,111 @@ def test_an_idle_ar_engine_reports_the_batch_cache_it_drops(tmp_path, monkeypatc
     assert engine.cache is None and reported == [grown[-1]] and grown[-1] > 0
 
 
+def _tiny_ar_engine(tmp_path):
+    import tiny_models
+    from cdlm_serve.engine.decoding.ar_engine import AREngine
+    from cdlm_serve.models.loading import load_model
+
+    tiny_models.hf_tiny("llama", tmp_path)
+    model, _ = load_model(tmp_path)
+    return AREngine(model, tiny_models.byte_tokenizer(), max_model_len=512)
+
+
+def _tokens(engine, seqs: list) -> dict[str, list[int]]:
+    """Add the sequences, step until nothing runs; each one's answer."""
+    out: dict[str, list[int]] = {seq.id: [] for seq in seqs}
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return out
+
+
+def test_shrink_keeps_the_live_rows_slots_and_empties_the_rest():
+    from cdlm_serve.models.kv_cache import KVCache
+
+    cache = KVCache.allocate(2, 3, 2, 4, 64, "cpu", torch.float32)
+    for t in [*cache.keys, *cache.values]:
+        t.copy_(torch.randn(t.shape))
+    cache.biases = [torch.randn(3, 2, 64) for _ in range(2)]
+    cache.lengths, cache.logical = [10, 20, 50], [10, 90, 50]  # row 1 compacted
+    before = [t.clone() for t in [*cache.keys, *cache.values, *cache.biases]]
+    with pytest.raises(ValueError, match="live row"):
+        cache.shrink(16, live=2)
+    cache.shrink(32, live=2)
+    assert cache.capacity == 32 and cache.lengths == [10, 20, 0] and cache.logical == [10, 90, 0]
+    after = [*cache.keys, *cache.values, *cache.biases]
+    for old, new in zip(before, after, strict=True):
+        assert new.shape[2] == 32
+        assert torch.equal(new[0, :, :10], old[0, :, :10])
+        assert torch.equal(new[1, :, :20], old[1, :, :20])
+
+
+def test_a_busy_ar_engine_cuts_the_rows_a_long_prompt_grew_once_it_has_left(tmp_path, monkeypatch):
+    """Issue 59: under a steady load the engine never idles, so a batch cache grown for one
+    long prompt (every row of it) stayed that size for as long as anything ran. Once the long
+    row has left, the cache is cut to what the running rows need, the free is reported, and
+    the rows still running answer as they would have alone."""
+    from cdlm_serve.engine.decoding.ar_engine import INITIAL_SLOTS
+    from cdlm_serve.engine.decoding.sampling import SamplingParams
+
+    engine = _tiny_ar_engine(tmp_path)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    short = [7, 3, 9, 11, 2]
+    alone = _tokens(engine, [engine.new_sequence("alone", short, greedy)])["alone"]
+    reported: list[int] = []
+    monkeypatch.setattr(heap, "freed", reported.append)
+    long = engine.new_sequence("long", list(range(300)), SamplingParams(max_tokens=2))
+    beside = engine.new_sequence("beside", short, greedy)
+    engine.add(long)
+    engine.add(beside)
+    grown, answer = 0, []
+    while long.finish_reason is None:
+        answer += [t for o in engine.step() if o.request_id == "beside" for t in o.token_ids]
+        assert engine.cache is not None
+        grown = max(grown, engine.cache.capacity)
+    assert grown > 300 and beside.finish_reason is None  # the short one still runs
+    assert engine.cache is not None and engine.cache.capacity == INITIAL_SLOTS
+    per_slot = engine.cache.allocated_bytes() // INITIAL_SLOTS
+    assert reported == [per_slot * (grown - INITIAL_SLOTS)]
+    while engine.has_work():
+        answer += [t for o in engine.step() for t in o.token_ids]
+    assert answer == alone and len(alone) == 40
+
+
+def test_idle_engines_release_their_batch_caches_and_answer_alike_after(
+    tmp_path, monkeypatch, tiny_dlm_engine
+):
+    """Engine.release_idle (the engine thread calls it after a while idle): the AR and the
+    diffusion engines drop their batch caches, report the bytes, and the next request builds
+    them again and gets the same answer."""
+    from cdlm_serve.engine.decoding.dlm_sequence import DLMParams
+    from cdlm_serve.engine.decoding.sampling import SamplingParams
+
+    reported: list[int] = []
+    monkeypatch.setattr(heap, "freed", reported.append)
+    ar = _tiny_ar_engine(tmp_path)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    first = _tokens(ar, [ar.new_sequence("a", [5, 6, 7], greedy)])["a"]
+    assert ar.cache is not None and ar.kv_bytes() > 0
+    held = ar.kv_bytes()
+    ar.release_idle()
+    assert ar.cache is None and ar.kv_bytes() == 0 and reported == [held]
+    assert _tokens(ar, [ar.new_sequence("b", [5, 6, 7], greedy)])["b"] == first
+
+    dlm = tiny_dlm_engine
+    prompt = [3, 4, 5, 6]
+    params = DLMParams(max_tokens=8, temperature=0.0)
+    before = [o.token_ids for o in dlm.generate(prompt, params)]
+    held = dlm.kv_bytes()
+    assert held > 0
+    dlm.release_idle()
+    assert dlm.kv_bytes() == 0 and reported[-1] == held
+    assert [o.token_ids for o in dlm.generate(prompt, params)] == before
+    dlm.release_idle()  # the engine is the module's: leave no cache for the tests after
+
+
 class RecordingTrimmer(heap.HeapTrimmer):
     """The real trimmer (its thread, its wake-up), also noting each free reported to it."""
 

@@ -35,7 +35,11 @@ from cdlm_serve.bench.mixed import PHASES, RssSampler, add_server_args, start_se
 
 GOAL_GROWTH_PCT = 2.0
 GOAL_IDLE_PCT = 5.0  # idle after the load, against the fresh server before it
-MEDIAN_S = 60.0  # the verdict's two levels are medians over this many seconds
+# The verdict's two levels are medians over this many seconds: several periods of the mix's
+# session loop (create 1.5K tokens -> compact -> continue -> delete), whose phases swing RSS by
+# 400-800 MB in float32. Over one minute, shorter than a float32 loop (~80 s on 2 cores), the
+# median says which phase the minute caught: the same server read +23% and -17% (issue 59).
+MEDIAN_S = 300.0
 
 
 def proc_memory_mb(pid: int) -> dict[str, float]:
@@ -89,25 +93,25 @@ def median_rss(samples: list[dict], after_s: float, until_s: float) -> float:
     return statistics.median(s["rss_mb"] for s in samples if after_s <= s["t_s"] <= until_s)
 
 
-def verdict(samples: list[dict], settle_s: float, errors: int) -> dict:
-    """Growth from the minute after settling to the last minute under load, each level the
-    median RSS over its minute: the trims after each session's delete swing RSS by ~130 MB
+def verdict(samples: list[dict], settle_s: float, errors: int, window_s: float = MEDIAN_S) -> dict:
+    """Growth from the window after settling to the last window under load, each level the
+    median RSS over its `window_s`: the session loop and the trims after each delete swing RSS
     within seconds, and a single sample falling in a dip (or on a peak) decided the verdict.
     The single samples stay beside the medians, for comparison with older runs."""
     load = [s for s in samples if s["phase"] == "load"]
     settled_sample, end_sample = at(load, settle_s), load[-1]
     first, last = settled_sample["t_s"], end_sample["t_s"]
     # Open on the far side: a minute of 10 s samples is 6 of them, not 7.
-    settled = median_rss(load, first, first + MEDIAN_S - 1e-6)
-    end = median_rss(load, max(first, last - MEDIAN_S + 1e-6), last)
+    settled = median_rss(load, first, first + window_s - 1e-6)
+    end = median_rss(load, max(first, last - window_s + 1e-6), last)
     growth = 100 * (end - settled) / settled
     idle = 100 * (samples[-1]["rss_mb"] - samples[0]["rss_mb"]) / samples[0]["rss_mb"]
     return {
         "rss_start_mb": samples[0]["rss_mb"],
-        "median_window_s": MEDIAN_S,
+        "median_window_s": window_s,
         "settled_at_s": first,
-        "rss_settled_mb": round(settled, 1),  # the median of the minute from settled_at_s
-        "rss_end_mb": round(end, 1),  # the median of the last minute under load
+        "rss_settled_mb": round(settled, 1),  # the median of the window from settled_at_s
+        "rss_end_mb": round(end, 1),  # the median of the last window under load
         "rss_settled_sample_mb": settled_sample["rss_mb"],
         "rss_end_sample_mb": end_sample["rss_mb"],
         "rss_max_mb": max(s["rss_mb"] for s in load),
@@ -139,7 +143,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axvline(result["verdict"]["settled_at_s"] / 60, color="grey", linestyle=":")
     v = result["verdict"]
     ax.set_title(
-        f"RSS 1-min medians: {v['rss_settled_mb']:.0f} MB from {v['settled_at_s'] / 60:.1f} min"
+        f"RSS {v['median_window_s'] / 60:g}-min medians: {v['rss_settled_mb']:.0f} MB from "
+        f"{v['settled_at_s'] / 60:.1f} min"
         f" -> {v['rss_end_mb']:.0f} MB in the last ({v['growth_after_settle_pct']:+.2f}%), "
         f"{v['errors']} errors"
     )
@@ -163,8 +168,9 @@ def _print(result: dict) -> None:
     last = [s for s in result["samples"] if s["phase"] == "load"][-1]
     print("server's own counts at the end (MB):", {k: v for k, v in last.items() if "_mb" in k})
     print(
-        f"RSS MB: fresh {v['rss_start_mb']}; 1-min medians: from {v['settled_at_s']:.0f} s "
-        f"{v['rss_settled_mb']}, last minute {v['rss_end_mb']} (single samples "
+        f"RSS MB: fresh {v['rss_start_mb']}; {v['median_window_s'] / 60:g}-min medians: from "
+        f"{v['settled_at_s']:.0f} s {v['rss_settled_mb']}, last window {v['rss_end_mb']} (single "
+        "samples "
         f"{v['rss_settled_sample_mb']}, {v['rss_end_sample_mb']}); max {v['rss_max_mb']}, "
         f"idle after {v['rss_idle_after_mb']}"
     )
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--minutes", type=float, default=30)
     p.add_argument("--settle-minutes", type=float, default=5, help="growth is counted after")
     p.add_argument("--every", type=float, default=10, help="seconds between samples")
+    p.add_argument(
+        "--median-minutes", type=float, default=MEDIAN_S / 60, help="each level's window"
+    )
     p.add_argument("--idle-seconds", type=float, default=70, help="sampled after the load")
     p.add_argument("--plot", type=Path, help="a PNG of RSS (and the server's counts) over time")
     p.add_argument(
@@ -238,7 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"checkout {args.checkout.resolve()} @ {commit_of(args.checkout)}",
         "load": load,
         "samples": sampler.samples,
-        "verdict": verdict(sampler.samples, 60 * args.settle_minutes, errors),
+        "verdict": verdict(
+            sampler.samples, 60 * args.settle_minutes, errors, 60 * args.median_minutes
+        ),
     }
     _print(result)
     if args.json:

@@ -43,6 +43,10 @@ class QueueFull(RuntimeError):
 
 _DONE = object()
 WORK_FOLLOW_SECONDS = 0.002  # how long a turn with work time left waits for the next piece
+# An engine idle this long gives back its batch caches (Engine.release_idle): a server at rest
+# holds its weights and caches of what it keeps (prefix blocks, sessions), not the working
+# memory of its last burst. Long enough that a client's think time between turns keeps them.
+IDLE_RELEASE_SECONDS = 20.0
 
 
 @dataclass(slots=True)
@@ -62,8 +66,12 @@ class EngineThread:
         max_queue: int = 256,
         on_step: Callable[[float], None] | None = None,
         cores: CoreShare | None = None,
+        idle_release_s: float = IDLE_RELEASE_SECONDS,
     ):
         self.name = name
+        self.idle_release_s = idle_release_s
+        self._idle_since: float | None = None  # when the thread last ran out of work
+        self._released = False  # this idle spell's release is done
         self.cores = cores or CoreShare.shared()  # with the process's other busy threads
         self.engine = engine
         self.max_queue = max_queue
@@ -236,7 +244,10 @@ class EngineThread:
                 else:
                     req = self._inbox.get_nowait()
             except queue.Empty:
+                if block:
+                    self._idle()
                 return not (self._stop and not self._busy())
+            self._idle_since, self._released = None, False
             if req is None:
                 self._stop = True
                 block = False
@@ -254,6 +265,16 @@ class EngineThread:
             self._live[req.id] = req
             self.engine.add(seq)
             block = False
+
+    def _idle(self) -> None:
+        """Nothing to do for one more wait: once for `idle_release_s` in a row, the engine
+        releases its batch caches (once a spell; the next request ends it)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._released and now - self._idle_since >= self.idle_release_s:
+            self._released = True
+            self.engine.release_idle()
 
     @staticmethod
     def _run_work(work: Work) -> None:

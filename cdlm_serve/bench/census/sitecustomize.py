@@ -99,35 +99,64 @@ def _name_in(container: object, target: object) -> str:
     return ""
 
 
+def _step(r: object, o: object) -> tuple[object, str]:
+    """One link of a chain: what refers to `o`, named so that a reader can find it in the
+    code (the object owning a __dict__ rather than the dict, a generator's function)."""
+    if isinstance(r, dict):
+        owners = [x for x in gc.get_referrers(r) if getattr(x, "__dict__", None) is r]
+        if owners:  # an object's __dict__: name the object and the attribute
+            how = _name_in(r, o).strip("[]'")
+            r = owners[0]
+            return r, f"{type(r).__module__}.{type(r).__qualname__}.{how}"
+    code = getattr(r, "gi_code", None) or getattr(r, "cr_code", None) or getattr(r, "ag_code", None)
+    if code is not None:
+        return r, f"<{type(r).__name__} {code.co_qualname} {code.co_filename}>"
+    if isinstance(r, types.FunctionType):
+        return r, f"<function {r.__qualname__} {r.__code__.co_filename}>"
+    return r, f"{type(r).__module__}.{type(r).__qualname__}{_name_in(r, o)}"
+
+
 def _chains(
     obj: object, ignore: set[int], budget: list[int], depth: int = CHAIN_DEPTH
 ) -> list[str]:
-    """Up to 2 chains of referrers of `obj`, outermost last, as 'type.how' steps."""
+    """Up to 2 chains of referrers of `obj`, outermost last, as 'type.how' steps. Depth first,
+    without recursion or closures: the walk's own frames, lists and tuples refer to the
+    objects it visits, and must not show up as their holders."""
     out: list[str] = []
-
-    def walk(o: object, path: list[str], seen: set[int], d: int) -> None:
-        if len(out) >= 2:
-            return
+    mine = set(ignore)
+    stack: list[tuple[object, tuple[str, ...], frozenset[int]]] = []
+    mine.add(id(stack))
+    first = (obj, (), frozenset({id(obj)}))
+    stack.append(first)
+    mine.add(id(first))
+    while stack and len(out) < 2:
+        o, path, seen = stack.pop()
         if budget[0] <= 0:
             out.append(" <- ".join([*path, "(out of budget)"]))
-            return
-        budget[0] -= 1
-        refs = [r for r in gc.get_referrers(o) if id(r) not in ignore and id(r) not in seen]
-        if d == 0 or not refs:
+            break
+        if isinstance(o, types.ModuleType):  # a module's global: the root of this chain
             out.append(" <- ".join(path))
-            return
-        for r in refs[:2]:
-            step = f"{type(r).__module__}.{type(r).__qualname__}{_name_in(r, o)}"
-            if isinstance(r, dict):
-                # A dict is usually an object's __dict__: name the object instead of the dict.
-                owners = [x for x in gc.get_referrers(r) if getattr(x, "__dict__", None) is r]
-                if owners:
-                    r = owners[0]
-                    how = _name_in(r.__dict__, o).strip("[]'")
-                    step = f"{type(r).__module__}.{type(r).__qualname__}.{how}"
-            walk(r, [*path, step], seen | {id(r)}, d - 1)
-
-    walk(obj, [], {id(obj)}, depth)
+            continue
+        budget[0] -= 1
+        refs = gc.get_referrers(o)
+        mine.add(id(refs))
+        refs = [
+            r
+            for r in refs
+            if id(r) not in mine
+            and id(r) not in seen
+            and not (isinstance(r, types.FrameType) and r.f_code.co_filename == __file__)
+        ]
+        mine.add(id(refs))
+        if len(path) >= depth or not refs:
+            out.append(" <- ".join(path))
+            continue
+        for r in reversed(refs[:2]):
+            holder, step = _step(r, o)
+            entry = (holder, (*path, step), seen | {id(holder)})
+            mine.add(id(entry))
+            stack.append(entry)
+        del o
     return out
 
 

@@ -124,7 +124,8 @@ def _stages(
     tokens = torch.tensor([ids], device=model.device)
     if cache is None:
         return model.forward_stages(tokens, pace=pace)
-    cache.ensure_capacity(cache.lengths[row] + len(ids))  # here, off the engine thread
+    # Here, off the engine thread; exactly: these slots are scratch, dropped after the pass.
+    cache.ensure_capacity(cache.lengths[row] + len(ids), exact=True)
     return model.forward_stages(
         tokens,
         cache=cache,

@@ -473,6 +473,36 @@ class AREngine(ScheduledEngine[ARSequence]):
             return
         if self.cache.biases is not None and not any(s.compacted for s in self.running):
             self.cache.biases = None  # the other rows' biases are all zero: exact
-        if not self.scheduler.has_work() and self.cache.capacity > INITIAL_SLOTS:
+        if self.cache.capacity <= INITIAL_SLOTS:
+            return
+        if not self.scheduler.has_work():
             heap.freed(self.cache.allocated_bytes())  # on CPU, glibc keeps it unless trimmed
             self.cache = None
+        elif self.running:
+            self._shrink_to_running()
+
+    def release_idle(self) -> None:
+        if self.cache is not None and not self.scheduler.has_work():
+            heap.freed(self.cache.allocated_bytes())
+            self.cache = None
+
+    def _shrink_to_running(self) -> None:
+        """Under a steady load the engine never idles, and a cache grown for one long prompt
+        or session (every row of it: 560 MB in float32 for a 1.5K-token session on 8 rows)
+        stayed that size for as long as anything ran (minutes of a soak, issue 59). Once the
+        rows still running would fit in a quarter of it, cut it to twice what they need (the
+        copy is one step's worth of their slots; the slack spares a cut and regrowth per
+        long request)."""
+        assert self.cache is not None
+        need = max(
+            self.cache.lengths[s.row]
+            + len(s.prompt)
+            - s.prefilled
+            + min(s.budget - s.generated, GROWTH_HEADROOM)
+            for s in self.running
+        )
+        target = max(INITIAL_SLOTS, 2 * need)
+        if 2 * target <= self.cache.capacity:
+            before = self.cache.allocated_bytes()
+            self.cache.shrink(target, live=max(s.row for s in self.running) + 1)
+            heap.freed(before - self.cache.allocated_bytes())

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from cdlm_serve.engine import limits
+from cdlm_serve.engine import heap, limits
 from cdlm_serve.engine.decoding import dlm_grammar
 from cdlm_serve.engine.decoding.dlm_modes import MODES, DecodeContext
 from cdlm_serve.engine.decoding.dlm_sequence import BlockPass, DLMParams, DLMSequence
@@ -205,6 +205,13 @@ class DLMEngine(ScheduledEngine[DLMSequence]):
     def kv_bytes(self) -> int:
         caches = [*self.caches.values(), *([self._scratch] if self._scratch is not None else [])]
         return sum(c.allocated_bytes() for c in caches)
+
+    def release_idle(self) -> None:
+        if self.scheduler.has_work():
+            return
+        heap.freed(self.kv_bytes())
+        self.caches.clear()
+        self._scratch = None
 
     def kv_usage(self) -> float:
         """Fraction of the decoding modes' KV slots holding committed tokens (vanilla keeps

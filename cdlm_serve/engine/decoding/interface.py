@@ -130,3 +130,8 @@ class Engine(Protocol[P, S]):
     def kv_bytes(self) -> int:
         """Bytes the engine's batch KV caches take (every row and slot allocated)."""
         ...
+
+    def release_idle(self) -> None:
+        """Nothing runs or waits (the engine thread has been idle a while): let go of the
+        batch caches, built again by the next request."""
+        ...
