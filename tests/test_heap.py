@@ -200,6 +200,7 @@ def test_shrink_keeps_the_live_rows_slots_and_empties_the_rest():
         assert new.shape[2] == 32
         assert torch.equal(new[0, :, :10], old[0, :, :10])
         assert torch.equal(new[1, :, :20], old[1, :, :20])
+    assert all(not b[2].any() for b in cache.biases)  # the emptied row's, as reset leaves them
 
 
 def test_a_busy_ar_engine_cuts_the_rows_a_long_prompt_grew_once_it_has_left(tmp_path, monkeypatch):

@@ -126,7 +126,7 @@ class KVCache:
         if any(n > capacity for n in self.lengths[:live]):
             raise ValueError(f"a live row holds more than {capacity} slots")
         for row in range(live, self.batch):
-            self.lengths[row] = self.logical[row] = 0
+            self.reset(row)  # as a row that joins is: empty, its biases zero
         if capacity >= self.capacity:
             return
 
