@@ -167,6 +167,14 @@ def test_the_census_counts_tensors_by_storage_and_names_a_new_ones_holder():
     assert (top["tensor"], top["mb"]) == ("[2, 3, 4096, 64] float32", 6.0)
     assert top["held_by"][0].startswith(f"{__name__}._Fit.keys <- builtins.dict['last_piece']")
     assert later["new_mb"] < 7 and later["heap_in_use_mb"] > 0 and later["vmrss_mb"] > 0
+    sizes = [mb for _, mb in later["objects"].values()]
+    assert len(sizes) == 25 and sizes == sorted(sizes, reverse=True)
+    # Python's objects by type (many small ones hold memory no tensor count shows), the
+    # largest `top` types by their own allocations, each [count, MB].
+    crumbs = [[0] * 1000 for _ in range(300)]  # 300 lists of ~8 KB: ~2.3 MB
+    ranked = census._objects_by_type([*crumbs, *[_Fit.__init__] * 5], top=1)
+    assert list(ranked) == ["builtins.list"] and ranked["builtins.list"][0] == 300
+    assert 2.2 < ranked["builtins.list"][1] < 2.5
     assert views and held
 
 

@@ -18,10 +18,12 @@ free memory. This is how docs/deploy.md's holders were found.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
 import os
+import sys
 import threading
 import time
 import types
@@ -160,6 +162,21 @@ def _chains(
     return out
 
 
+def _objects_by_type(objs: list[object], top: int = 25) -> dict[str, list[float]]:
+    """The Python objects the collector tracks, by type: [count, MB by sys.getsizeof] for the
+    `top` largest types (a holder of many small objects shows here, not among the tensors;
+    getsizeof counts an object's own allocation, not what it refers to)."""
+    sizes: dict[str, list[float]] = {}
+    for o in objs:
+        t = type(o)
+        entry = sizes.setdefault(f"{t.__module__}.{t.__qualname__}", [0, 0.0])
+        entry[0] += 1
+        with contextlib.suppress(TypeError):  # a type whose __sizeof__ misbehaves
+            entry[1] += sys.getsizeof(o) / 2**20
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1][1])[:top]
+    return {k: [v[0], round(v[1], 2)] for k, v in ranked}
+
+
 def census(first: dict[int, int] | None) -> tuple[dict, dict[int, int]]:
     import torch
 
@@ -195,6 +212,7 @@ def census(first: dict[int, int] | None) -> tuple[dict, dict[int, int]]:
     row["tensors_mb"] = round(sum(e["bytes"] for e in storages.values()) / 2**20, 1)
     row["storages"] = len(storages)
     row["groups"] = {k: [v[0], round(v[1], 2)] for k, v in groups.items() if v[1] >= 0.5}
+    row["objects"] = _objects_by_type(objs)
     if first is not None:
         new = [e for k, e in storages.items() if k[1] not in first]
         row["new_mb"] = round(sum(e["bytes"] for e in new) / 2**20, 1)
