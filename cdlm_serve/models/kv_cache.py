@@ -106,17 +106,7 @@ class KVCache:
         (`rows`) keep the old storage."""
         if self.window is not None:
             self.window.trim(self.logical)
-        capacity = max(1, *self.lengths)
-        if capacity >= self.capacity:
-            return
-
-        def cut(t: Tensor) -> Tensor:
-            return t[:, :, :capacity].clone()
-
-        self.keys = [cut(t) for t in self.keys]
-        self.values = [cut(t) for t in self.values]
-        if self.biases is not None:
-            self.biases = [cut(t) for t in self.biases]
+        self._cut(max(1, *self.lengths))
 
     def shrink(self, capacity: int, live: int) -> None:
         """Cut a batch cache to `capacity` slots a row, keeping rows [0, live) (whose committed
@@ -127,6 +117,11 @@ class KVCache:
             raise ValueError(f"a live row holds more than {capacity} slots")
         for row in range(live, self.batch):
             self.reset(row)  # as a row that joins is: empty, its biases zero
+        self._cut(capacity)
+
+    def _cut(self, capacity: int) -> None:
+        """Every layer's buffers (and biases) cut to their first `capacity` slots, copied
+        so that the old storage can go; nothing where they are no longer than that."""
         if capacity >= self.capacity:
             return
 

@@ -476,14 +476,13 @@ class AREngine(ScheduledEngine[ARSequence]):
         if self.cache.capacity <= INITIAL_SLOTS:
             return
         if not self.scheduler.has_work():
-            heap.freed(self.cache.allocated_bytes())  # on CPU, glibc keeps it unless trimmed
-            self.cache = None
+            self.release_idle()
         elif self.running:
             self._shrink_to_running()
 
     def release_idle(self) -> None:
         if self.cache is not None and not self.scheduler.has_work():
-            heap.freed(self.cache.allocated_bytes())
+            heap.freed(self.cache.allocated_bytes())  # on CPU, glibc keeps it unless trimmed
             self.cache = None
 
     def _shrink_to_running(self) -> None:
