@@ -204,3 +204,37 @@ def test_the_census_runs_inside_a_process_started_with_its_environment(tmp_path)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert any(r["groups"].get("[256, 1024] float32 cpu") == [1, 1.0] for r in rows)
     assert all(r["uptime_s"] >= 0 and "error" not in r for r in rows)
+
+
+def test_sigusr2_starts_a_trace_and_the_census_names_the_line_that_allocated_since(tmp_path):
+    """The census's tracemalloc (issue 59's idle): started by SIGUSR2 once the server is up,
+    each census lists the lines whose Python allocations grew since; what was allocated before
+    the signal is not listed."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "census.jsonl"
+    env = soak.census_env(argparse.Namespace(census=out))
+    assert env is not None
+    env["CDLM_SOAK_CENSUS_EVERY"] = "0.2"
+    script = (
+        "import os, signal, time, torch  # a server has torch imported\n"
+        "before = [bytes(1000) + bytes([i % 256]) for i in range(4000)]  # 4 MB, untraced\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "time.sleep(0.1)\n"
+        "kept = [bytes(1000) + bytes([i % 256]) for i in range(3000)]  # 3 MB: the holder\n"
+        "path = os.environ['CDLM_SOAK_CENSUS']\n"
+        "def seen(): return os.path.exists(path) and '<string>:5' in open(path).read()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not seen() and time.monotonic() < deadline: time.sleep(0.05)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    traced = [r["traced_new"] for r in rows if "traced_new" in r]
+    assert traced, "no census after the signal listed a trace"
+    top = traced[-1]["top"][0]
+    assert top["at"][0] == "<string>:5" and 2.5 < top["mb"] < 3.5
+    assert not any(t["at"][0] == "<string>:2" for r in traced for t in r["top"])

@@ -22,6 +22,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -215,7 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="a JSON-lines file: once a minute the server appends what it holds (every tensor "
         "Python can reach, by storage; malloc's counts; who holds the largest new ones)",
     )
+    p.add_argument(
+        "--census-trace",
+        action="store_true",
+        help="with --census: trace Python's allocations (tracemalloc) from the fresh sample on, "
+        "and list the lines whose allocations grew since in each census (slows the server)",
+    )
     args = p.parse_args(argv)
+    if args.census_trace and args.census is None:
+        p.error("--census-trace needs --census")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Said before a half-hour run, not as a traceback after it.
         p.error("--plot needs matplotlib: pip install -e '.[bench]'")
@@ -225,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             sampler = MemorySampler(server.pid, soak.url, args.every)
             sampler.sample()  # fresh, before any request
+            if args.census_trace:
+                server.send_signal(signal.SIGUSR2)  # census/sitecustomize.py: _start_trace
             sampler.phase = "load"
             sampler.start()
             load = asyncio.run(soak.phase(tuple(PHASES["mix"]), 60 * args.minutes))

@@ -9,11 +9,14 @@ daemon thread appends one JSON line there every CDLM_SOAK_CENSUS_EVERY seconds (
 - every tensor Python can reach (`gc.get_objects`), de-duplicated by storage, summed by
   (shape, dtype): a holder shows as a group whose count steps up and stays;
 - for the largest storages that were not there at the first census (the weights and the
-  engines' own caches are), a few chains of who refers to them, as type and attribute names.
+  engines' own caches are), a few chains of who refers to them, as type and attribute names;
+- after SIGUSR2 (`bench.soak --census-trace` sends it once the server is up), the lines whose
+  Python allocations grew since (tracemalloc).
 
-Malloc's bytes in use growing with the tensors is a holder; growing without them is C++ state
-(oneDNN's primitive cache, ...); RSS growing while bytes in use stay is the allocator keeping
-free memory. This is how docs/deploy.md's holders were found.
+Malloc's bytes in use growing with the tensors is a holder; growing without them and without the
+trace is native state (MKL's GEMM buffers, found with `heaptrack -p PID`, ...); RSS growing
+while bytes in use stay is the allocator keeping free memory. This is how docs/deploy.md's
+holders were found.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import ctypes
 import gc
 import json
 import os
+import signal
 import sys
 import threading
 import time
+import tracemalloc
 import types
 
 TOP_NEW = 8  # referrer chains for this many of the largest new storages, each census
@@ -229,8 +234,50 @@ def census(first: dict[int, int] | None) -> tuple[dict, dict[int, int]]:
                 }
             )
         row["new_top"] = top
+    if _TRACE["baseline"] is not None:
+        row["traced_new"] = _traced_new(_TRACE["baseline"])
     del objs, storages
     return row, now
+
+
+# Python's own allocations since a baseline (SIGUSR2): tracing from start-up triples the
+# server's start, so the soak starts it once the server is up and before the load, and each
+# census then lists the lines whose live allocations grew since. Native heaps (torch's C++,
+# tokenizers' Rust) are not traced: what grows in malloc's in-use bytes and not here is theirs.
+_TRACE: dict = {"baseline": None}
+TRACE_TOP = 15
+
+
+def _start_trace(signum: int, frame: object) -> None:
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(int(os.environ.get("CDLM_SOAK_TRACE_FRAMES", 6)))
+        _TRACE["baseline"] = tracemalloc.take_snapshot()
+
+
+def _where(f: tracemalloc.Frame) -> str:
+    return f"{f.filename.rsplit('/site-packages/', 1)[-1]}:{f.lineno}"
+
+
+def _traced_new(baseline: tracemalloc.Snapshot) -> dict:
+    snap = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(False, tracemalloc.__file__)]
+    )
+    diff = snap.compare_to(baseline, "traceback")
+    top = []
+    for d in diff[:TRACE_TOP]:
+        if d.size_diff <= 0:
+            break
+        top.append(
+            {
+                "mb": round(d.size_diff / 2**20, 2),
+                "count": d.count_diff,
+                "at": [
+                    f"{f.filename.rsplit('/site-packages/', 1)[-1]}:{f.lineno}" for f in d.traceback
+                ],
+            }
+        )
+    total = sum(s.size for s in snap.statistics("filename")) / 2**20
+    return {"total_mb": round(total, 1), "top": top}
 
 
 def _loop(path: str, every: float) -> None:
@@ -250,6 +297,8 @@ def _loop(path: str, every: float) -> None:
 
 
 if os.environ.get("CDLM_SOAK_CENSUS"):
+    with contextlib.suppress(ValueError):  # not in the main thread: no trace, the rest runs
+        signal.signal(signal.SIGUSR2, _start_trace)
     threading.Thread(
         target=_loop,
         args=(os.environ["CDLM_SOAK_CENSUS"], float(os.environ.get("CDLM_SOAK_CENSUS_EVERY", 60))),
