@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 
 from cdlm_serve.bench import soak
 from cdlm_serve.bench.mixed import RssSampler
@@ -178,30 +182,32 @@ def test_the_census_counts_tensors_by_storage_and_names_a_new_ones_holder():
     assert views and held
 
 
-def test_the_census_runs_inside_a_process_started_with_its_environment(tmp_path):
-    """`--census`: the server's environment imports census/sitecustomize.py at start-up (it
-    imports nothing of cdlm_serve, so an old checkout's server gets it too), and its thread
-    appends a line a period."""
-    import argparse
-    import json
-    import subprocess
-    import sys
-
+def _census_of(tmp_path, body: str) -> list[dict]:
+    """Runs `body` in a process started with the census's environment (a census every 0.2 s),
+    until the census file holds `until` (the body's last line names it); the census's rows."""
     out = tmp_path / "census.jsonl"
     env = soak.census_env(argparse.Namespace(census=out))
     assert env is not None
     env["CDLM_SOAK_CENSUS_EVERY"] = "0.2"
-    script = (
-        "import os, time, torch\n"
-        "held = torch.zeros(256, 1024)\n"
+    script = body + (
         "path = os.environ['CDLM_SOAK_CENSUS']\n"
-        "def seen(): return os.path.exists(path) and '[256, 1024]' in open(path).read()\n"
+        "def seen(): return os.path.exists(path) and until in open(path).read()\n"
         "deadline = time.monotonic() + 60\n"
         "while not seen() and time.monotonic() < deadline: time.sleep(0.05)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_the_census_runs_inside_a_process_started_with_its_environment(tmp_path):
+    """`--census`: the server's environment imports census/sitecustomize.py at start-up (it
+    imports nothing of cdlm_serve, so an old checkout's server gets it too), and its thread
+    appends a line a period."""
+    rows = _census_of(
+        tmp_path,
+        "import os, time, torch\nheld = torch.zeros(256, 1024)\nuntil = '[256, 1024]'\n",
+    )
     assert any(r["groups"].get("[256, 1024] float32 cpu") == [1, 1.0] for r in rows)
     assert all(r["uptime_s"] >= 0 and "error" not in r for r in rows)
 
@@ -210,29 +216,15 @@ def test_sigusr2_starts_a_trace_and_the_census_names_the_line_that_allocated_sin
     """The census's tracemalloc (issue 59's idle): started by SIGUSR2 once the server is up,
     each census lists the lines whose Python allocations grew since; what was allocated before
     the signal is not listed."""
-    import argparse
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "census.jsonl"
-    env = soak.census_env(argparse.Namespace(census=out))
-    assert env is not None
-    env["CDLM_SOAK_CENSUS_EVERY"] = "0.2"
-    script = (
+    rows = _census_of(
+        tmp_path,
         "import os, signal, time, torch  # a server has torch imported\n"
         "before = [bytes(1000) + bytes([i % 256]) for i in range(4000)]  # 4 MB, untraced\n"
         "os.kill(os.getpid(), signal.SIGUSR2)\n"
         "time.sleep(0.1)\n"
         "kept = [bytes(1000) + bytes([i % 256]) for i in range(3000)]  # 3 MB: the holder\n"
-        "path = os.environ['CDLM_SOAK_CENSUS']\n"
-        "def seen(): return os.path.exists(path) and '<string>:5' in open(path).read()\n"
-        "deadline = time.monotonic() + 60\n"
-        "while not seen() and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "until = '<string>:5'\n",
     )
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
     traced = [r["traced_new"] for r in rows if "traced_new" in r]
     assert traced, "no census after the signal listed a trace"
     top = traced[-1]["top"][0]
