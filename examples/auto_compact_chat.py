@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=32,
         help="the last tokens a compaction keeps as they are (default: 32)",
     )
-    parser.add_argument("--method", default="am-highest-fast", help="compaction method")
+    parser.add_argument("--method", default="auto", help="compaction method (the server's default)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument(
         "--turns",

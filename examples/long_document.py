@@ -4,8 +4,8 @@ A session holds a model's KV cache between requests. This example
 
 1. creates a session whose prompt is a long document (read from `--file`, or built here: a few
    paragraphs with one fact hidden in the middle) and prints its size,
-2. compacts its cache `--ratio`-fold with Attention Matching (`--method`, by default
-   `am-highest-fast`, the cheapest of its variants) and prints the size after and the time,
+2. compacts its cache `--ratio`-fold (`--method`, by default the server's own, `auto`: KVzip's
+   keys shared over every head, docs/compaction.md) and prints the size after and the time,
 3. asks questions that continue from the compacted cache (`session_id` with `append: false`,
    so every question sees the document alone and the session stays as it was),
 4. deletes the session.
@@ -74,9 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ratio", type=float, default=10.0, help="compaction ratio (>= 1.5)")
     parser.add_argument(
         "--method",
-        default="am-highest-fast",
-        help="compaction method: am-highest-fast (default), am-highest, am-omp-fast, am-omp, "
-        "or a baseline (snapkv, h2o, streaming, expected_attention, kvzip, random)",
+        default="auto",
+        help="compaction method: auto (the server's default), Attention Matching's "
+        "am-highest-fast, am-highest, am-omp-fast, am-omp, or a baseline (snapkv, h2o, "
+        "streaming, expected_attention, kvzip, random)",
     )
     parser.add_argument(
         "--keep-recent",

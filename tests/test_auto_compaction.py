@@ -242,6 +242,25 @@ def test_policy_targets_match_a_requested_compaction():
         AutoCompact.of(max_tokens=160, ratio=4, keep_recent=81)
 
 
+def test_auto_resolves_to_kvzip_with_global_budgets_unless_they_are_named():
+    """The default method (options.resolve_auto), as a policy from a request or a file."""
+    assert (AutoCompact.of(64, 4).spec.method, AutoCompact.of(64, 4).spec.budgets) == (
+        "kvzip",
+        "global",
+    )
+    named = AutoCompact.of(64, 4, budgets="uniform").spec
+    assert (named.method, named.budgets) == ("kvzip", "uniform")
+    # On-policy queries come layer by layer: no budget over every layer, so uniform.
+    on_policy = AutoCompact.of(64, 4, query_source="on-policy").spec
+    assert (on_policy.method, on_policy.budgets) == ("kvzip", "uniform")
+    other = AutoCompact.of(64, 4, method="am-omp").spec
+    assert (other.method, other.budgets) == ("am-omp", "uniform")
+    # A file keeps the resolved method, so a later default does not change a session's policy.
+    stored = AutoCompact.of(64, 4).to_json()
+    assert (stored["method"], stored["budgets"]) == ("kvzip", "global")
+    assert AutoCompact.from_json(stored) == AutoCompact.of(64, 4)
+
+
 def test_the_online_bench_feeds_and_compacts_by_the_same_policy(tiny_llama_dir):
     """bench/online_compaction.py's feed: the policy's rule, in process (the bench's runs)."""
     import argparse

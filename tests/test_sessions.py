@@ -272,3 +272,47 @@ def test_session_can_be_named_by_the_x_session_id_header(base):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-session-id"
     missing = httpx.post(url, json=body, headers={"X-Session-Id": "no-such"})
     assert missing.status_code == 404  # the header alone names a session
+
+
+def test_a_compaction_that_names_no_method_runs_the_default_kvzip_with_global_budgets(base):
+    """`method` defaults to "auto" on every route (engine.compaction.options.resolve_auto):
+    KVzip's keys with the slots shared over every head; budgets named with it are kept, and a
+    session's policy stores what it resolved to."""
+    r = httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "auto1", "prompt": CONTEXT})
+    assert r.status_code == 201
+    r = httpx.post(
+        f"{base}/v1/sessions/auto1/compact", json={"ratio": 4, "keep_recent": 16}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["method"], r.json()["budgets"]) == ("kvzip", "global")
+    info = httpx.get(f"{base}/v1/sessions/auto1").json()
+    assert info["compactions"][-1]["method"] == "kvzip"
+    assert 'compaction_seconds_count{method="kvzip"}' in httpx.get(f"{base}/metrics").text
+
+    httpx.post(f"{base}/v1/sessions", json={"model": "tiny", "id": "auto2", "prompt": CONTEXT})
+    r = httpx.post(
+        f"{base}/v1/sessions/auto2/compact",
+        json={"ratio": 4, "method": "auto", "budgets": "uniform"},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["method"], r.json()["budgets"]) == ("kvzip", "uniform")
+
+    r = httpx.post(
+        f"{base}/v1/sessions",
+        json={"model": "tiny", "id": "auto3", "auto_compact": {"max_tokens": 64, "ratio": 4}},
+    )
+    assert r.status_code == 201, r.text
+    policy = httpx.get(f"{base}/v1/sessions/auto3").json()["auto_compact"]
+    assert (policy["method"], policy["budgets"]) == ("kvzip", "global")
+    # A method named with its own budgets keeps uniform ones unless asked.
+    r = httpx.post(
+        f"{base}/v1/sessions",
+        json={
+            "model": "tiny",
+            "id": "auto4",
+            "auto_compact": {"max_tokens": 64, "ratio": 4, "method": "am-highest-fast"},
+        },
+    )
+    policy = httpx.get(f"{base}/v1/sessions/auto4").json()["auto_compact"]
+    assert (policy["method"], policy["budgets"]) == ("am-highest-fast", "uniform")

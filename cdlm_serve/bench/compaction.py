@@ -81,7 +81,13 @@ from cdlm_serve.bench.facts import (
 )
 from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
 from cdlm_serve.engine.compaction.budgets import load_schedule
-from cdlm_serve.engine.compaction.options import default_key_queries
+from cdlm_serve.engine.compaction.options import (
+    AUTO,
+    AUTO_BUDGETS,
+    AUTO_METHOD,
+    default_key_queries,
+    default_query_source,
+)
 from cdlm_serve.engine.compaction.queries import reference_queries
 from cdlm_serve.engine.sessions.packed_cache import PackedCache
 from cdlm_serve.models import kernels
@@ -106,6 +112,7 @@ AM_METHODS = ("am-highest-fast", "am-highest", "am-omp-fast", "am-omp", "am-h2o"
 STAGES = ("queries", "keys", "beta", "values", "total")
 
 
+CPU = torch.device("cpu")  # the bench runs here
 FLAGS = ("int8", "attn", "measured", "global", "ctxkeys", "refkeys")
 BUDGET_FLAGS = {"attn": "attention", "measured": "measured", "global": "global"}
 
@@ -121,7 +128,8 @@ class Spec:
 
 def method_spec(method: str) -> Spec:
     """METHOD[:SOURCE][+int8][+attn|+measured|+global][+ctxkeys|+refkeys] -> its settings; a source
-    may hold a "+" itself (repeat+self-study). ctxkeys / refkeys: the keys ranked by the
+    may hold a "+" itself (repeat+self-study). `auto` is the server's default (KVzip, global
+    budgets, its query source on a CPU). ctxkeys / refkeys: the keys ranked by the
     context's own queries / the reference ones (by default the method's own,
     `engine.compaction.row.default_key_queries`)."""
     flags: set[str] = set()
@@ -129,8 +137,13 @@ def method_spec(method: str) -> Spec:
         flags.add(tail)
         method = method[: -len(tail) - 1]
     name, _, source = method.partition(":")
+    auto = name == AUTO  # the server's default, resolved as a request on this CPU bench is
+    if auto:
+        name, source = AUTO_METHOD, source or default_query_source(AUTO_METHOD, CPU)
     quantize = "int8" if "int8" in flags else None
-    budgets = next((BUDGET_FLAGS[f] for f in BUDGET_FLAGS if f in flags), "uniform")
+    budgets = next(
+        (BUDGET_FLAGS[f] for f in BUDGET_FLAGS if f in flags), AUTO_BUDGETS if auto else "uniform"
+    )
     keys = (
         "context"
         if "ctxkeys" in flags
@@ -291,7 +304,8 @@ def run_timing(model, tok, args: argparse.Namespace) -> list[dict]:
     from cdlm_serve.bench.load import austen_ids
 
     longest = austen_ids(args.model, max(args.timing_lengths))
-    methods = [m for m in args.methods if method_spec(m).name in AM_METHODS]
+    # Attention Matching's and the default's (auto: kvzip's keys, no fits) stages.
+    methods = [m for m in args.methods if method_spec(m).name in (*AM_METHODS, AUTO_METHOD)]
     rows: list[dict] = []
     for length in args.timing_lengths:
         ids = longest[:length]

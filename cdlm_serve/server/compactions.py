@@ -15,6 +15,7 @@ from cdlm_serve.engine.compaction import (
     CompactionSpec,
     SpecError,
     compact_row,
+    resolve_auto,
 )
 from cdlm_serve.engine.decoding import Priority
 from cdlm_serve.engine.served_model import ServedModel
@@ -39,15 +40,16 @@ def compaction_spec(options: CompactOptions, default_ratio: float | None = None)
         if default_ratio is None:
             raise APIError(400, f"give {which} one of ratio and target_tokens", param="ratio")
         ratio = default_ratio
+    name, budgets = resolve_auto(options.method, options.budgets, options.query_source)
     try:
         return CompactionSpec(
-            method=options.method,
+            method=name,
             ratio=ratio,
             target_tokens=target,
             query_source=options.query_source,
             keep_recent=options.keep_recent,
             quantize=options.quantize,
-            budgets=options.budgets,
+            budgets=budgets,
             key_queries=options.key_queries,
         )
     except SpecError as e:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from cdlm_serve.engine.compaction import AUTO
 from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import SEED_MAX, SEED_MIN
 from cdlm_serve.server.schemas import STRICT, AutoCompactSpec, CompactOptions, MethodName
@@ -107,11 +108,11 @@ class ResponseCompactRequest(CompactOptions):
     """POST /v1/responses/compact: a stored response's cache compacted with Attention Matching
     into a new stored response (or, without `previous_response_id`, the `input` conversation
     prefilled, then compacted). The compaction options are extensions here (the SDK sends them
-    through `extra_body`); neither ratio nor target_tokens: `ratio` 2; `am-omp` by default (it
-    keeps more facts than `am-highest` in docs/compaction.md's measurements)."""
+    through `extra_body`); neither ratio nor target_tokens: `ratio` 2; `method` "auto" by
+    default, as every compaction (engine.compaction.options.resolve_auto)."""
 
     model: str
     previous_response_id: str | None = response_id_field()
     input: str | list[Any] | None = None
     instructions: str | None = None
-    method: MethodName = "am-omp"
+    method: MethodName = AUTO

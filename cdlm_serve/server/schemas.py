@@ -6,7 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from cdlm_serve.engine.compaction import BUDGETS, KEY_QUERIES, METHODS, MIN_RATIO, QUERY_SOURCES
+from cdlm_serve.engine.compaction import (
+    AUTO,
+    BUDGETS,
+    KEY_QUERIES,
+    METHODS,
+    MIN_RATIO,
+    QUERY_SOURCES,
+)
 from cdlm_serve.engine.decoding import MODES
 from cdlm_serve.engine.sessions import SESSION_ID_PATTERN
 from cdlm_serve.server.request_limits import (
@@ -24,8 +31,8 @@ STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def _registered_method(name: str) -> str:
-    if name not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}")
+    if name != AUTO and name not in METHODS:
+        raise ValueError(f"method must be one of {', '.join((AUTO, *METHODS))}")
     return name
 
 
@@ -33,7 +40,7 @@ def _list_methods(schema: dict[str, Any]) -> None:
     """The schema lists the methods registered when it is built, where a Literal would (after
     the type), so a method registered after import is listed and served too."""
     rest = {key: schema.pop(key) for key in list(schema) if key != "type"}
-    schema["enum"] = list(METHODS)
+    schema["enum"] = [AUTO, *METHODS]
     schema.update(rest)
 
 
@@ -311,11 +318,11 @@ class AutoCompactSpec(BaseModel):
     model_config = STRICT
     max_tokens: int = Field(ge=16)
     ratio: float = Field(ge=MIN_RATIO)
-    method: MethodName = "am-highest-fast"
+    method: MethodName = AUTO  # engine.compaction.options.resolve_auto
     keep_recent: int = Field(0, ge=0)
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     quantize: Literal["int8"] | None = None
-    budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
+    budgets: Literal[BUDGETS] | None = None  # type: ignore[valid-type]
     key_queries: Literal[KEY_QUERIES] | None = None  # type: ignore[valid-type]
 
 
@@ -335,15 +342,17 @@ class CompactOptions(BaseModel):
     ratio: float | None = Field(None, ge=MIN_RATIO)  # smaller gains are not worth a compaction
     target_tokens: int | None = Field(None, ge=1)
     # One source of truth: the engine's own lists (typing reads a tuple as the values).
-    method: MethodName = "am-highest"
+    # "auto": the measured choice (engine.compaction.options.resolve_auto).
+    method: MethodName = AUTO
     # None: the method's own (engine.compaction.row.default_query_source).
     query_source: Literal[QUERY_SOURCES] | None = None  # type: ignore[valid-type]
     keep_recent: int = Field(0, ge=0)
     # "int8": the compacted segment is kept as int8 codes, on disk and in memory (kv_quant).
     quantize: Literal["int8"] | None = None
     # "attention": the KV heads' slots by measured attention; "measured": by the model's
-    # shipped schedule, 400 where it has none (engine.compaction.budgets).
-    budgets: Literal[BUDGETS] = "uniform"  # type: ignore[valid-type]
+    # shipped schedule, 400 where it has none; "global": by the method's key scores over every
+    # head (engine.compaction.budgets). None: "global" for "auto", else "uniform".
+    budgets: Literal[BUDGETS] | None = None  # type: ignore[valid-type]
     # Whose attention ranks the am-highest variants' keys: "context" (the context's own
     # queries, their default) or "reference" (those they are fitted on); None: the method's
     # own (engine.compaction.row.default_key_queries).

@@ -19,10 +19,12 @@ from cdlm_serve.engine.compaction.methods import (
     unregister_method,
 )
 from cdlm_serve.engine.compaction.options import (
+    AUTO,
     BUDGETS,
     KEY_QUERIES,
     QUERY_SOURCES,
     default_key_queries,
+    resolve_auto,
     resolve_key_queries,
 )
 from cdlm_serve.engine.compaction.queries import reference_queries
@@ -35,6 +37,7 @@ from cdlm_serve.engine.compaction.spec import (
 )
 
 __all__ = [
+    "AUTO",
     "BUDGETS",
     "KEY_QUERIES",
     "METHODS",
@@ -53,6 +56,7 @@ __all__ = [
     "load_schedule",
     "reference_queries",
     "register_method",
+    "resolve_auto",
     "resolve_key_queries",
     "schedule_name",
     "unregister_method",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cdlm_serve.engine.compaction.options import AUTO, resolve_auto
 from cdlm_serve.engine.compaction.spec import CompactionSpec, SpecError
 
 MIN_MAX_TOKENS = 16
@@ -37,10 +38,18 @@ class AutoCompact:
 
     @classmethod
     def of(
-        cls, max_tokens: int, ratio: float, method: str = "am-highest-fast", **options: Any
+        cls,
+        max_tokens: int,
+        ratio: float,
+        method: str = AUTO,
+        budgets: str | None = None,
+        **options: Any,
     ) -> AutoCompact:
-        """A policy from its flat options (a request's `auto_compact`, a session's file)."""
-        return cls(max_tokens, CompactionSpec(method=method, ratio=ratio, **options))
+        """A policy from its flat options (a request's `auto_compact`, a session's file);
+        `auto` is resolved here, so a session's file keeps the method it compacts with."""
+        name, budgets = resolve_auto(method, budgets, options.get("query_source"))
+        spec = CompactionSpec(method=name, ratio=ratio, budgets=budgets, **options)
+        return cls(max_tokens, spec)
 
     def due(self, physical: int) -> bool:
         """Whether a cache of `physical` slots is to be compacted now."""
