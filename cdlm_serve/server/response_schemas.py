@@ -105,8 +105,8 @@ class ResponseCreateRequest(BaseModel):
 
 
 class ResponseCompactRequest(CompactOptions):
-    """POST /v1/responses/compact: a stored response's cache compacted with Attention Matching
-    into a new stored response (or, without `previous_response_id`, the `input` conversation
+    """POST /v1/responses/compact: a stored response's cache compacted into a new stored
+    response (or, without `previous_response_id`, the `input` conversation
     prefilled, then compacted). The compaction options are extensions here (the SDK sends them
     through `extra_body`); neither ratio nor target_tokens: `ratio` 2; `method` "auto" by
     default, as every compaction (engine.compaction.options.resolve_auto)."""

@@ -89,12 +89,14 @@ STUDY_INSTRUCTION = "\n\nWrite one question about the text above, then answer it
 # The default method, "auto": a measured choice, not a method of its own. KVzip's keys (each
 # key's largest attention from the model repeating the context) with the slots shared over
 # every head and layer by that score (budgets="global", as KVzip's paper and kvpress give them
-# out) keep the most in each setting measured on SmolLM2 but one (docs/compaction.md, "Which
-# method"): compacted once, 2K tokens, 0.99 / 0.98 / 0.87 of the facts at 2x / 4x / 10x
-# against the best Attention Matching method's 0.73 at 10x; online (8K, 14 compactions at 4x)
-# 0.78 against 0.72 for kvzip alone and 0.53 for am-highest-fast; RULER's needles at 4K,
-# 54.2 at 4x where am-highest-fast keeps 8.3 and the uncompressed cache 60.4. At 20x once,
-# am-omp with measured budgets keeps 0.05 more facts, at several times the time.
+# out), the repeat pass the method's own (banded on a CPU), keep the most in each setting
+# measured on SmolLM2 but one (docs/compaction.md, "Which method"): compacted once, 2K tokens,
+# 0.99 / 0.87 / 0.59 of the facts at 4x / 10x / 20x (`bench.compaction --methods auto`,
+# medians of 5) against the best other method's 0.65 (H2O) / 0.73 / 0.63 (am-omp with measured
+# budgets: 0.04 more at 20x, at several times the time); online (8K, 14 compactions at 4x)
+# 0.78 against 0.72 for kvzip alone and 0.53 for am-highest-fast, the default before;
+# RULER's needles at 4K (with the full repeat pass) 54.2 at 4x where am-highest-fast keeps
+# 8.3 and the uncompressed cache 60.4.
 AUTO = "auto"
 AUTO_METHOD = "kvzip"
 AUTO_BUDGETS = "global"
