@@ -119,7 +119,9 @@ def test_long_document_is_compacted_and_questioned(base):
     assert tokens == logical == physical > 100  # the byte tokenizer: a token per byte
     tokens2, logical2, physical2, nbytes2 = _size(out, "after compaction")
     assert (tokens2, logical2) == (tokens, logical)
-    assert physical2 == math.ceil((physical - keep) / ratio) + keep
+    # The default method (auto) shares the slots over the heads unevenly: the row is as long
+    # as its longest head, at least the ratio's share; the bytes at rest are the ratio's.
+    assert math.ceil((physical - keep) / ratio) + keep <= physical2 < physical
     assert nbytes2 < nbytes / 2
     took = re.search(r"^compaction took ([\d.]+) s \(([\d.]+) s on the server\)", out, re.M)
     assert took is not None and float(took.group(1)) >= float(took.group(2)) > 0
