@@ -271,9 +271,7 @@ def _traced_new(baseline: tracemalloc.Snapshot) -> dict:
             {
                 "mb": round(d.size_diff / 2**20, 2),
                 "count": d.count_diff,
-                "at": [
-                    f"{f.filename.rsplit('/site-packages/', 1)[-1]}:{f.lineno}" for f in d.traceback
-                ],
+                "at": [_where(f) for f in d.traceback],
             }
         )
     total = sum(s.size for s in snap.statistics("filename")) / 2**20
