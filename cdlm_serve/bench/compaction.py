@@ -83,10 +83,10 @@ from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, comp
 from cdlm_serve.engine.compaction.budgets import load_schedule
 from cdlm_serve.engine.compaction.options import (
     AUTO,
-    AUTO_BUDGETS,
     AUTO_METHOD,
     default_key_queries,
     default_query_source,
+    resolve_auto,
 )
 from cdlm_serve.engine.compaction.queries import reference_queries
 from cdlm_serve.engine.sessions.packed_cache import PackedCache
@@ -137,13 +137,11 @@ def method_spec(method: str) -> Spec:
         flags.add(tail)
         method = method[: -len(tail) - 1]
     name, _, source = method.partition(":")
-    auto = name == AUTO  # the server's default, resolved as a request on this CPU bench is
-    if auto:
-        name, source = AUTO_METHOD, source or default_query_source(AUTO_METHOD, CPU)
+    if name == AUTO:  # the server's default, resolved as a request on this CPU bench is
+        source = source or default_query_source(AUTO_METHOD, CPU)
+    asked = next((BUDGET_FLAGS[f] for f in BUDGET_FLAGS if f in flags), None)
+    name, budgets = resolve_auto(name, asked, source or None)
     quantize = "int8" if "int8" in flags else None
-    budgets = next(
-        (BUDGET_FLAGS[f] for f in BUDGET_FLAGS if f in flags), AUTO_BUDGETS if auto else "uniform"
-    )
     keys = (
         "context"
         if "ctxkeys" in flags
