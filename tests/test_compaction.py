@@ -639,13 +639,16 @@ def _kvzip_score(cfg, queries, keys, g: int) -> torch.Tensor:
     return p.max(dim=0).values
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
 @pytest.mark.parametrize("max_queries", [2048, 24])
-def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_queries):
+def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_queries, fused):
     """kvzip on a model row: each KV head keeps the t region keys with the largest attention
     from any one of its group's repeat queries (banded on a CPU), each query's softmax over
     the whole row (region and exact tail), with their own values and no bias; every query
-    counts, not the fits' sample of max_queries."""
+    counts, not the fits' sample of max_queries. Scored by torch, and by the CPU kernel the
+    server runs (`kernels.repeat_max_rows`)."""
     from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
+    from cdlm_serve.models import kernels
 
     model, tok = tiny
     cfg = model.config
@@ -654,14 +657,17 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     region, t = 92, 20
     assert repeat[0].shape[1] * group > 4 * max_queries or max_queries > 1024
     cache = full.extract_row(0)
-    report = compact_row(
-        model,
-        cache,
-        0,
-        ids,
-        CompactionSpec.exact(t, method="kvzip", keep_recent=8),
-        CompactionRuntime(tokenizer=tok, max_queries=max_queries),
-    )
+    with kernels.cpu_kernels(fused):
+        calls = kernels._kernel.calls() if fused else 0
+        report = compact_row(
+            model,
+            cache,
+            0,
+            ids,
+            CompactionSpec.exact(t, method="kvzip", keep_recent=8),
+            CompactionRuntime(tokenizer=tok, max_queries=max_queries),
+        )
+        assert not fused or kernels._kernel.calls() > calls, "the CPU kernel did not run"
     assert report.query_source == "repeat-banded" and cache.lengths == [t + 8]
     for layer in range(cfg.num_layers):
         keys, values, _ = full.read(0, layer)  # [Hkv, T, D]

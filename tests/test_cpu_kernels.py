@@ -422,6 +422,37 @@ def test_fused_step_mixes_decode_rows_and_prompts(model, stack_kind):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("values", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("queries", "keys", "region"),
+    [(1, 7, 7), (3, 83, 70), (37, 200, 131), (130, 1000, 992), (257, 64, 64), (9, 48, 40)],
+)
+def test_repeat_max_is_the_softmax_maxima(queries, keys, region, values):
+    """KVzip's running log maxima from the kernel against float64 on the same numbers: rows
+    and regions shorter than a vector, a region short of the row, blocks of 128 queries and a
+    short last one (over the threads), 8-query passes and a short one, key tiles of 16 in
+    groups of 3 and a short group (bf16 values: AVX512-BF16 dot products on that build), a
+    slot whose exp is far under fp32's range, scores far apart (each query's softmax mostly
+    one key), and a running maximum that beats some of the new maxima."""
+    gen = torch.Generator().manual_seed(queries * keys)
+    q = torch.randn(queries, 64, generator=gen) * 2
+    k = torch.randn(keys, 64, generator=gen)
+    if values == "bf16":  # bf16 values held in fp32, as the compaction's keys
+        q, k = q.to(BF16), k.to(BF16).float()
+    bias = torch.randn(keys, generator=gen)
+    bias[-1] = -1e4  # adds nothing to any normalizer
+    best = torch.log(torch.rand(region, generator=gen)) - 4  # the maxima of earlier blocks
+    s = (q.double() @ k.double().T) * 0.3 + bias.double()
+    exact = torch.maximum(best.double(), torch.log_softmax(s, 1)[:, :region].amax(0))
+    assert (best > exact.float() - 1e-3).any() and (best < exact.float() - 1).any()
+    out = best.clone()
+    with kernels.cpu_kernels(True), kernels_run():
+        assert kernels.repeat_max(q, k, bias, 0.3, region, out)
+    assert torch.allclose(out.double(), exact, atol=3e-5, rtol=0)
+    with kernels.cpu_kernels(False):  # the caller's torch path then
+        assert not kernels.repeat_max(q, k, bias, 0.3, region, out)
+
+
 @pytest.mark.parametrize("rows", [2, 32, 100])
 def test_fp32_split_linear_is_exact(rows):
     gen = torch.Generator().manual_seed(rows)

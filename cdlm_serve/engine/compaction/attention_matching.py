@@ -39,6 +39,7 @@ from torch import Tensor
 
 from cdlm_serve.engine.compaction import baselines
 from cdlm_serve.engine.compaction.nnls import GrowingNNLS, nonnegative_weights
+from cdlm_serve.models import kernels
 
 Aggregate = Literal["rms", "mean", "max"]
 # HighestAttnKeys' aggregate over the reference queries. The paper's is RMS; on SmolLM2-135M the
@@ -157,7 +158,8 @@ def highest_attention_scores(h: HeadInputs, aggregate: Aggregate = HIGHEST_AGGRE
     return (e / m[:, None]).max(dim=0).values  # [n, T] the softmax, then its column maxima
 
 
-# Queries per block of `repeat_max_scores`: a [rows, T] block of scores stays in the caches
+# Queries per block of `repeat_max_scores`' torch path (the CPU kernel's blocks are as many,
+# `kScoreRows` in models/kernels/common.h): a [rows, T] block of scores stays in the caches
 # (2 MB at 4K keys). 2,048 rows (64 MB blocks at 8K) took 2.2x as long for the same maxima
 # (one KV head, 24.6K queries x 8K keys, fp32, 2 cores: 0.73 s against 0.31-0.33 s at
 # 128-512 rows), which at 8K tokens was 68 of auto's 85 s of compaction (bf16 model).
@@ -173,16 +175,21 @@ def repeat_max_scores(h: HeadInputs) -> Tensor:
     low on what the model would write anyway. The maximum needs every query: the one that
     copies a token is one of thousands, and the fits' sample (2,048 of ~25K at 8K tokens)
     holds each query a twelfth of the time (bench.online_compaction: 0.72 of the facts with
-    every query, median of 3 contexts, docs/compaction.md)."""
+    every query, median of 3 contexts, docs/compaction.md).
+
+    The maxima are kept as logs: each score costs one exp. On a CPU a fused kernel does it
+    all (`kernels.repeat_max`), a bf16 model's scores by AVX512-BF16 dot products where the
+    CPU has them (exact products, fp32 sums). One KV head at 8K tokens, 2 cores: 0.45 s by
+    torch's softmax, 0.22 s by the kernel in fp32, 0.11 s in bf16."""
     queries = h.queries if h.every_query is None else h.every_query  # [N, D]
     keys, bias = baselines.row_keys(h)  # [T + R, D], [T + R]
-    region = h.keys.shape[0]
-    best = torch.zeros(region)
-    for a in range(0, queries.shape[0], REPEAT_MAX_ROWS):
-        s = torch.addmm(bias, queries[a : a + REPEAT_MAX_ROWS].float(), keys.T, alpha=h.scale)
-        p = torch.softmax(s, dim=1)[:, :region]  # [rows, T]
-        torch.maximum(best, p.amax(dim=0), out=best)
-    return best
+    region, n = h.keys.shape[0], queries.shape[0]
+    best = torch.full((region,), -math.inf, device=keys.device)  # log of the maxima so far
+    if not kernels.repeat_max(queries, keys, bias, h.scale, region, best):
+        for a in range(0, n, REPEAT_MAX_ROWS):
+            s = torch.addmm(bias, queries[a : a + REPEAT_MAX_ROWS].float(), keys.T, alpha=h.scale)
+            torch.maximum(best, torch.log_softmax(s, dim=1)[:, :region].amax(dim=0), out=best)
+    return best.exp_()
 
 
 def _weighted_square_sums(e: Tensor, w: Tensor, rows: int = 256) -> Tensor:

@@ -406,6 +406,30 @@ def decode_attention(
     return torch.stack(rows).to(q.dtype)
 
 
+def _bf16_exact(x: Tensor) -> bool:
+    return x.dtype == torch.bfloat16 or torch.equal(x.bfloat16().float(), x)
+
+
+def repeat_max(
+    queries: Tensor, keys: Tensor, bias: Tensor, scale: float, region: int, best: Tensor
+) -> bool:
+    """KVzip's running log maxima, in place: best [region] = max(best, max_r log softmax(s_r)
+    [:region]) for the scores s = queries [N, D] @ keys [C, D]^T * scale + bias [C] (fp32
+    best; `engine.compaction.attention_matching.repeat_max_scores`). On the CPU kernels: where
+    both hold bf16 values (a bf16 model's) and the CPU has AVX512-BF16, the scores are bf16
+    dot products (exact products, fp32 sums: the fp32 GEMM's up to the order of the sums, in
+    half its time), else fp32 GEMMs. Returns False (nothing done) where the kernels are off or
+    the tensors are not on the CPU; the caller then scores with torch."""
+    if not (_kernel and keys.device.type == "cpu"):
+        return False
+    if _kernel.isa() == "avx512" and _bf16_exact(queries) and _bf16_exact(keys):
+        q, k = queries.bfloat16().contiguous(), keys.bfloat16().contiguous()
+    else:
+        q, k = queries.float().contiguous(), keys.float().contiguous()
+    _kernel.repeat_max(q, k, bias.float().contiguous(), scale, region, best)
+    return True
+
+
 def pack_q8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor] | None:
     """Q8_0 codes [N, K] and scales [N, K/32] in the int8 kernel's layout (what the fused
     step reads), or None where the kernels are off."""

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <functional>
 #include <type_traits>
 #include <vector>
@@ -453,6 +454,56 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
   }
   return out;
+}
+
+// ---- KVzip's key scores: common.h's repeat_max_with, in 8-float vectors --------------------------
+namespace {
+
+// log sum_j exp(row[j]) over C floats: the row's maximum, then the sum of exp(x - max).
+inline float row_logsumexp(const float* row, int64_t C) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= C; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + j));
+  float top = hmax(mx);
+  for (int64_t i = j; i < C; ++i) top = std::max(top, row[i]);
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= C; j += 8) sum = _mm256_add_ps(sum, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), t)));
+  float total = hsum(sum);
+  for (int64_t i = j; i < C; ++i) total += std::exp(row[i] - top);
+  return top + std::log(total);
+}
+
+// best[j0, j1) = max(best, max_r s[r, j] - lse[r]) for j1 - j0 <= 64: eight vectors of columns
+// down all M rows (each row's 256 bytes are four whole cache lines); a shorter last chunk
+// column by column.
+inline void col_max(const float* s, int64_t M, int64_t ld, const float* lse, int64_t j0, int64_t j1,
+                    float* best) {
+  if (j1 - j0 < 64) {
+    for (int64_t j = j0; j < j1; ++j) {
+      float b = best[j];
+      for (int64_t r = 0; r < M; ++r) b = std::max(b, s[r * ld + j] - lse[r]);
+      best[j] = b;
+    }
+    return;
+  }
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(best + j0 + 8 * u);
+  for (int64_t r = 0; r < M; ++r) {
+    const __m256 l = _mm256_set1_ps(lse[r]);
+    const float* row = s + r * ld + j0;
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_max_ps(acc[u], _mm256_sub_ps(_mm256_loadu_ps(row + 8 * u), l));
+  }
+  for (int u = 0; u < 8; ++u) _mm256_storeu_ps(best + j0 + 8 * u, acc[u]);
+}
+
+}  // namespace
+
+// best [region] (fp32, in place) from fp32 queries q [N, D], keys [C, D] and bias [C] (no bf16
+// dot products here: a bf16 model's queries and keys come widened).
+void repeat_max(torch::Tensor q, torch::Tensor keys, torch::Tensor bias, double scale,
+                int64_t region, torch::Tensor best) {
+  repeat_max_fp32(q, keys, bias, scale, region, best, row_logsumexp, col_max);
 }
 
 // ---- Packed small-M linear ---------------------------------------------------------------------

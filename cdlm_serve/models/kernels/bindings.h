@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8", &amx_int8_enabled, "whether linear_q8 runs on AMX-INT8 tiles");
   m.def("amx_int8_calls", &amx_int8_count, "how many linear_q8 products ran on the tiles");
   m.def("argmax_rows", counted(&argmax_rows), "row-wise argmax", nogil);
+  m.def("repeat_max", counted(&repeat_max), "KVzip's log max softmax weight per key", nogil);
   m.def("pack_attention_kv", counted(&pack_attention_kv), "pack a layer's K, V for attend_packed_bf16", nogil);
   m.def("attend_packed_bf16", counted(&attend_packed_bf16), "query rows over key ranges of packed K, V", nogil);
   m.def("pack_q8", counted(&pack_q8), "pack Q8_0 codes and scales for linear_q8", nogil);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <mutex>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -418,6 +419,118 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
   }
   return out;
+}
+
+// ---- KVzip's key scores: common.h's repeat_max_with, in 16-float vectors -----------------------
+namespace {
+
+// log sum_j exp(row[j]) over C floats: the row's maximum, then the sum of exp(x - max).
+inline float row_logsumexp(const float* row, int64_t C) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= C; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + j));
+  const __mmask16 tail = __mmask16((1u << (C - j)) - 1);
+  if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + j));
+  const float top = _mm512_reduce_max_ps(mx);
+  const __m512 t = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= C; j += 16) sum = _mm512_add_ps(sum, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), t)));
+  if (tail) sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), t))));
+  return top + std::log(_mm512_reduce_add_ps(sum));
+}
+
+// best[j0, j1) = max(best, max_r s[r, j] - lse[r]) for j1 - j0 <= 64: four vectors of columns
+// down all M rows (each row's 256 bytes are four whole cache lines).
+inline void col_max(const float* s, int64_t M, int64_t ld, const float* lse, int64_t j0, int64_t j1,
+                    float* best) {
+  __mmask16 m[4];
+  __m512 acc[4];
+  for (int u = 0; u < 4; ++u) {
+    const int64_t left = j1 - j0 - 16 * u;
+    m[u] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    acc[u] = _mm512_maskz_loadu_ps(m[u], best + j0 + 16 * u);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const __m512 l = _mm512_set1_ps(lse[r]);
+    const float* row = s + r * ld + j0;
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm512_max_ps(acc[u], _mm512_sub_ps(_mm512_maskz_loadu_ps(m[u], row + 16 * u), l));
+  }
+  for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(best + j0 + 16 * u, m[u], acc[u]);
+}
+
+}  // namespace
+
+// The scores too, for bf16 queries and keys (a bf16 model's: its cache and its repeat pass are
+// bf16): s = q k^T * scale + bias by AVX512-BF16 dot products, whose products of two bf16 are
+// exact in fp32 and summed in fp32, so s is what fp32 FMAs make of the same numbers (the order
+// of the sum aside), in half the instructions (32 products each). The keys are packed once
+// (pack_bf16's layout), as the packed linear reads its weights: per 8 queries and 3 tiles of
+// 16 keys, 24 accumulators; each block of kScoreRows queries is scored into one fp32 buffer
+// that stays in the caches, then reduced as common.h's repeat_max_with does.
+namespace {
+
+template <int M, int R>
+inline void score_tiles(const uint32_t* p, int64_t K2, const uint32_t* x, const float* bias,
+                        float scale, float* s, int64_t C, int64_t tile) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint32_t* base = p + tile * K2 * 16;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512bh kv[R];
+    for (int r = 0; r < R; ++r) kv[r] = (__m512bh)_mm512_loadu_si512(base + (r * K2 + kp) * 16);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(x[m * K2 + kp]));
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], kv[r], qb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (tile + r) * 16;
+    const __mmask16 mask = tail_mask(C - n0);
+    const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(s + m * C + n0, mask, _mm512_fmadd_ps(acc[m][r], sc, b));
+  }
+}
+
+}  // namespace
+
+// best [region] (fp32, in place) from queries q [N, D] and keys [C, D], both bf16 (the dot
+// products above) or both fp32 (GEMMs), and bias [C] fp32.
+void repeat_max(torch::Tensor q, torch::Tensor keys, torch::Tensor bias, double scale,
+                int64_t region, torch::Tensor best) {
+  if (q.scalar_type() != at::kBFloat16) {
+    repeat_max_fp32(q, keys, bias, scale, region, best, row_logsumexp, col_max);
+    return;
+  }
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous bf16 [N, D] tensor");
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == q.size(1), "keys must be [C, D] like q");
+  const int64_t C = keys.size(0);
+  TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                  bias.size(0) == C,
+              "bias must be a contiguous fp32 [C] tensor");
+  const auto packed = pack_bf16(keys);  // [tiles, D / 2, 16]; checks keys
+  const int64_t tiles = packed.size(0), K2 = packed.size(1);
+  const auto p = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  const auto x = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());
+  const float* b = bias.data_ptr<float>();
+  const float sc = float(scale);
+  constexpr int R = 3;  // 8 rows x 3 tiles of accumulators, as packed_run_chunked
+  repeat_max_with(q.size(0), C, region, best, [&](int64_t a, int64_t rows, float* s) {
+    for (int64_t tile = 0; tile < tiles; tile += R)
+      for (int64_t m0 = 0; m0 < rows; m0 += 8)
+        with_rows(std::min<int64_t>(8, rows - m0), [&](auto m) {
+          constexpr int M = decltype(m)::value;
+          const uint32_t* xm = x + (a + m0) * K2;
+          float* sm = s + m0 * C;
+          if (tile + R <= tiles) {
+            score_tiles<M, R>(p, K2, xm, b, sc, sm, C, tile);
+          } else {
+            for (int64_t t = tile; t < tiles; ++t) score_tiles<M, 1>(p, K2, xm, b, sc, sm, C, t);
+          }
+        });
+  }, row_logsumexp, col_max);
 }
 
 // ---- Packed small-M linear ---------------------------------------------------------------
