@@ -646,7 +646,7 @@ def test_kvzip_keeps_the_keys_some_repeat_query_attends_to_most(tiny, max_querie
     from any one of its group's repeat queries (banded on a CPU), each query's softmax over
     the whole row (region and exact tail), with their own values and no bias; every query
     counts, not the fits' sample of max_queries. Scored by torch, and by the CPU kernel the
-    server runs (`kernels.repeat_max_rows`)."""
+    server runs (`kernels.repeat_max`)."""
     from cdlm_serve.engine.compaction import CompactionRuntime, CompactionSpec, compact_row
     from cdlm_serve.models import kernels
 
