@@ -213,17 +213,27 @@ inline void repeat_max_with(int64_t N, int64_t C, int64_t region, torch::Tensor&
   });
 }
 
+// repeat_max's scores' arguments: contiguous q [N, D] and keys [C, D] of one dtype, bias fp32
+// [C] (best and region are repeat_max_with's to check).
+inline void check_repeat_max(const torch::Tensor& q, const torch::Tensor& keys,
+                             const torch::Tensor& bias) {
+  TORCH_CHECK(q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1) &&
+                  q.scalar_type() == keys.scalar_type() && q.is_contiguous() &&
+                  keys.is_contiguous(),
+              "q [N, D] and keys [C, D]: contiguous, one dtype");
+  TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                  bias.size(0) == keys.size(0),
+              "bias must be a contiguous fp32 [C] tensor");
+}
+
 // Scores in fp32 by one-threaded GEMMs (MKL inside a parallel region runs on its thread).
 template <typename RowLse, typename ColMax>
 inline void repeat_max_fp32(const torch::Tensor& q, const torch::Tensor& keys,
                             const torch::Tensor& bias, double scale, int64_t region,
                             torch::Tensor& best, RowLse row_lse, ColMax col_max) {
-  TORCH_CHECK(q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1) &&
-                  q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat,
-              "fp32 q [N, D] and keys [C, D]");
+  check_repeat_max(q, keys, bias);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "fp32 q and keys");
   const int64_t C = keys.size(0);
-  TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == at::kFloat && bias.size(0) == C,
-              "bias must be an fp32 [C] tensor");
   const auto kt = keys.t();
   repeat_max_with(q.size(0), C, region, best, [&](int64_t a, int64_t rows, float* s) {
     auto out = torch::from_blob(s, {rows, C}, q.options());

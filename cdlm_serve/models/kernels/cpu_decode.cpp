@@ -504,12 +504,8 @@ void repeat_max(torch::Tensor q, torch::Tensor keys, torch::Tensor bias, double 
     repeat_max_fp32(q, keys, bias, scale, region, best, row_logsumexp, col_max);
     return;
   }
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous bf16 [N, D] tensor");
-  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == q.size(1), "keys must be [C, D] like q");
+  check_repeat_max(q, keys, bias);
   const int64_t C = keys.size(0);
-  TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
-                  bias.size(0) == C,
-              "bias must be a contiguous fp32 [C] tensor");
   const auto packed = pack_bf16(keys);  // [tiles, D / 2, 16]; checks keys
   const int64_t tiles = packed.size(0), K2 = packed.size(1);
   const auto p = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
