@@ -17,6 +17,7 @@ from cdlm_serve.engine.compaction.attention_matching import (
     keep,
     mass_error,
     relative_output_error,
+    sampled_output_error,
     summary,
     targets,
 )
@@ -152,6 +153,25 @@ def test_output_error_falls_as_the_budget_grows(method):
     h = _head()
     errors = [relative_output_error(h, compact_head(h, t, method)) for t in (10, 25, 50, 100)]
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0]
+
+
+def test_the_reported_error_is_measured_on_the_same_evenly_spaced_queries():
+    """A compaction reports its output error on ERROR_QUERIES of the reference queries, evenly
+    spaced: the same ones whether a fit made the original outputs for all of them (read
+    there) or nothing did (made for those alone), and the error of exactly those queries."""
+    h = _head(n=1000, bias=True)
+    r = keep(h, torch.arange(0, 200, 9))
+    cold = sampled_output_error(h, r, count=64)
+    assert h._summary is None and h._targets is None  # made for the 64 queries alone
+    rows = torch.linspace(0, 999, 64).round().long()
+    alone = HeadInputs(h.keys, h.values, h.queries[rows], h.scale, bias=h.bias)
+    assert cold == pytest.approx(relative_output_error(alone, r), rel=1e-5)
+    targets(h)  # as a fit makes them: every query's
+    assert sampled_output_error(h, r, count=64) == pytest.approx(cold, rel=1e-5)
+    # An estimate of the error over all of them, and not the same number.
+    whole = relative_output_error(h, r)
+    assert whole != cold and cold == pytest.approx(whole, rel=0.25)
+    assert sampled_output_error(h, r, count=1000) == whole  # no more than there are: all
 
 
 def test_beta_is_what_matches_the_mass():

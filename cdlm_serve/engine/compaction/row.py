@@ -63,7 +63,7 @@ from cdlm_serve.engine.compaction.attention_matching import (
     HeadInputs,
     HeadResult,
     OmpBudget,
-    relative_output_error,
+    sampled_output_error,
 )
 from cdlm_serve.engine.compaction.head import compact_head
 from cdlm_serve.engine.compaction.kv_quant import QuantizedSegment, quantize_prefix
@@ -103,7 +103,9 @@ class CompactionReport:
     # Tokens of the context whose own queries ranked the am-highest keys (key_queries "context";
     # 0: the reference's did): a re-read sample, or its whole logical history where it had to be.
     context_tokens: int
-    output_error: float  # mean relative attention-output error over layers and heads
+    # Mean relative attention-output error over layers and heads, each on ERROR_QUERIES of its
+    # reference queries (`sampled_output_error`).
+    output_error: float
     seconds: dict[str, float] = field(default_factory=dict)  # queries, keys, beta, values
     # Pieces of model work and the longest of them (what the engine thread was held for).
     engine_jobs: int = 0
@@ -360,7 +362,7 @@ class _LayerFit:
             h.scores = self.head_scores.pop((layer, g), None)
             t = self.target if self.head_targets is None else self.head_targets[layer][g]
             r = compact_head(h, t, self.method, self.generator, self.seconds, self.budget)
-            self.errors.append(relative_output_error(h, r))
+            self.errors.append(sampled_output_error(h, r))
             self.real_slots += t
             keys_g, values_g, bias_g = _padded(r, self.slots)
             layer_k.append(keys_g)

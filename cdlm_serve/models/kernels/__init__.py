@@ -264,9 +264,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim in HF's rounding order: normalize in fp32, cast back, scale."""
+    """RMSNorm over the last dim in HF's rounding order: normalize in fp32, cast back, scale.
+    The kernel takes any row count (a prefill's rows in parallel): torch's version makes three
+    fp32 temporaries the size of x, ~15 ms for 8K rows of 576 against ~1 ms."""
     k = x.shape[-1]
-    if _fast(x, x.numel() // k, weight):
+    if _fast(x, None, weight) and weight.dtype == torch.bfloat16:
         normed: Tensor = _kernel.rms_norm_bf16(x.reshape(-1, k).contiguous(), weight, eps)
         return normed.view(x.shape)
     xf = x.float()
@@ -277,7 +279,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(RMSNorm(x + residual), x + residual): the residual add fused with the next norm."""
     k = x.shape[-1]
-    if _fast(x, x.numel() // k, residual, weight):
+    bf16 = residual.dtype == weight.dtype == torch.bfloat16
+    if _fast(x, None, residual, weight) and bf16 and residual.shape == x.shape:
         normed, summed = _kernel.add_rms_norm_bf16(
             x.reshape(-1, k).contiguous(), residual.reshape(-1, k).contiguous(), weight, eps
         )

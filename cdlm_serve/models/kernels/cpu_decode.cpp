@@ -132,21 +132,26 @@ std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor r, t
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && w.is_contiguous(),
               "contiguous [M, K]");
   TORCH_CHECK(x.sizes() == r.sizes(), "x and residual differ in shape");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && r.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16 && w.numel() == x.size(1),
+              "bf16 x, residual [M, K] and weight [K]");
   auto h = torch::empty_like(x);
   auto y = torch::empty_like(x);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto rp = reinterpret_cast<const uint16_t*>(r.data_ptr<at::BFloat16>());
   auto hp = h.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; i += 16) {
-    const __mmask16 m = tail_mask(M * K - i);
-    store_bf16_masked(hp + i, _mm512_add_ps(load_bf16_masked(xp + i, m),
-                                            load_bf16_masked(rp + i, m)), m);
-  }
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto hraw = reinterpret_cast<const uint16_t*>(hp);
   auto yp = y.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; ++m) norm_row(hraw + m * K, wp, yp + m * K, K, float(eps));
+  over_rows(x.size(0), [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0 * K, end = m1 * K; i < end; i += 16) {
+      const __mmask16 m = tail_mask(end - i);
+      store_bf16_masked(hp + i, _mm512_add_ps(load_bf16_masked(xp + i, m),
+                                              load_bf16_masked(rp + i, m)), m);
+    }
+    for (int64_t m = m0; m < m1; ++m) norm_row(hraw + m * K, wp, yp + m * K, K, float(eps));
+  });
   return {y, h};
 }
 
