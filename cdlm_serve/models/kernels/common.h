@@ -148,6 +148,18 @@ void over_rows(int64_t M, F&& f) {
   at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) { f(m0, m1); });
 }
 
+// add_rms_norm_bf16's arguments, checked once for both builds: contiguous bf16 x and
+// residual [M, K] of one shape, weight [K].
+inline void check_add_rms_norm(const torch::Tensor& x, const torch::Tensor& r,
+                               const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && w.is_contiguous(),
+              "contiguous [M, K]");
+  TORCH_CHECK(x.sizes() == r.sizes(), "x and residual differ in shape");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && r.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16 && w.numel() == x.size(1),
+              "bf16 x, residual [M, K] and weight [K]");
+}
+
 // y = RMSNorm(x) * w for x [M, K] bf16.
 inline torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "contiguous [M, K]");

@@ -129,12 +129,7 @@ void norm_row(const uint16_t* x, const uint16_t* w, at::BFloat16* y, int64_t K, 
 // h = x + r (rounded to bf16, as the unfused add would be), y = RMSNorm(h) * w. Returns {y, h}.
 std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w,
                                              double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && w.is_contiguous(),
-              "contiguous [M, K]");
-  TORCH_CHECK(x.sizes() == r.sizes(), "x and residual differ in shape");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && r.scalar_type() == at::kBFloat16 &&
-                  w.scalar_type() == at::kBFloat16 && w.numel() == x.size(1),
-              "bf16 x, residual [M, K] and weight [K]");
+  check_add_rms_norm(x, r, w);
   auto h = torch::empty_like(x);
   auto y = torch::empty_like(x);
   const int64_t K = x.size(1);
